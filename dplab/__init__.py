@@ -4,7 +4,21 @@ Public names: :func:`launch`, :class:`Cluster`, :class:`RankError`, :class:`DDP`
 :class:`StepTrace`; the modules :mod:`dplab.sim`, :mod:`dplab.memory`, :mod:`dplab.collectives`.
 """
 
+from dplab.ddp import DDP, Bucket, NaiveDDP, PerParameterDDP
 from dplab.launch import Cluster, RankError, RankTimeout, device, launch
+from dplab.trace import StepTrace, Tracer
 
-__all__ = ["Cluster", "RankError", "RankTimeout", "device", "launch"]
+__all__ = [
+    "DDP",
+    "Bucket",
+    "Cluster",
+    "NaiveDDP",
+    "PerParameterDDP",
+    "RankError",
+    "RankTimeout",
+    "StepTrace",
+    "Tracer",
+    "device",
+    "launch",
+]
 __version__ = "0.1.0"

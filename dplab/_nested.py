@@ -1,0 +1,17 @@
+"""Walking the tensors inside a forward's output (a tensor, or tuples, lists and dicts of them)."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)

@@ -1,0 +1,133 @@
+"""Small models with enough layers for buckets to mean something.
+
+``make_model(name)`` builds a preset the same way on every rank (same seed → same weights, though
+DDP broadcasts rank 0's anyway); ``make_batch(name, batch_size, seed)`` makes matching data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 512
+    seq_len: int = 64
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    tie_embeddings: bool = True
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT in miniature: embeddings, blocks, a head tied to the token embedding."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class MLP(nn.Module):
+    """A stack of Linear + tanh layers: the simplest model with many gradient tensors."""
+
+    def __init__(self, widths: tuple[int, ...] = (32, 64, 64, 64, 1)):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(itertools.pairwise(widths)):
+            layers.append(nn.Linear(a, b))
+            if i < len(widths) - 2:
+                layers.append(nn.Tanh())
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.net(x)
+        return out if y is None else nn.functional.mse_loss(out, y)
+
+
+GPT_PRESETS = {
+    "tiny-gpt": GPTConfig(vocab=512, seq_len=64, d_model=128, n_layers=4, n_heads=4),
+    "gpt-7m": GPTConfig(vocab=4096, seq_len=128, d_model=256, n_layers=8, n_heads=8),
+}
+MODELS = (*GPT_PRESETS, "mlp")
+
+
+def make_model(
+    name: str = "tiny-gpt", *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """A preset model, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    if name in GPT_PRESETS:
+        model: nn.Module = TinyGPT(GPT_PRESETS[name])
+    elif name == "mlp":
+        model = MLP()
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    return model.to(dtype)
+
+
+def make_batch(
+    name: str = "tiny-gpt",
+    batch_size: int = 8,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for ``name``: random tokens for a GPT, a smooth target for the MLP."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    g = torch.Generator().manual_seed(seed)
+    if name in GPT_PRESETS:
+        cfg = GPT_PRESETS[name]
+        idx = torch.randint(cfg.vocab, (batch_size, cfg.seq_len + 1), generator=g)
+        return idx[:, :-1], idx[:, 1:]
+    if name == "mlp":
+        x = torch.randn(batch_size, 32, generator=g, dtype=dtype)
+        return x, torch.sin(x.sum(dim=1, keepdim=True) / math.sqrt(32))
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

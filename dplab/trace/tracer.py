@@ -1,0 +1,286 @@
+"""``dplab.Tracer``: a timeline of every synchronising step, recorded by dplab.DDP's own hooks.
+
+Pass it to ``dplab.DDP(model, tracer=tracer)`` and, for the optimizer span,
+``tracer.watch(optimizer)``. ``tracer.steps`` is then one :class:`StepTrace` per synchronising
+step: micro-batches run under ``no_sync()`` fold into the step that ends with the next
+synchronising backward.
+
+What is recorded (times are marks of the clock, resolved after the step):
+
+- ``forward``: DDP.forward's start and end;
+- ``backward``: from the moment the gradient reaches the module's output to the end of the
+  autograd pass (the engine callback that runs after the last gradient);
+- ``bucket_ready``: when a bucket's last gradient is in;
+- ``allreduce``: from the collective's own start (its launch, or the moment a backend worker
+  became free if it was queued behind earlier buckets) to its completion;
+- ``wait``: the end of backward waiting for the outstanding all-reduces;
+- ``optimizer``: ``optimizer.step()`` (through the optimizer's step hooks).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dplab._nested import tensors_in
+from dplab.trace.clocks import CudaClock, HostClock, queue_starts
+from dplab.trace.step import Span, StepTrace
+
+
+@dataclass
+class _Comm:
+    bucket: int
+    nbytes: int
+    launch: Any
+    end: list[Any]
+
+
+@dataclass
+class _RawStep:
+    """Marks of one step, kept unresolved until someone reads ``tracer.steps``."""
+
+    start: Any
+    buckets: list[dict[str, Any]]
+    forwards: list[list[Any]] = field(default_factory=list)
+    backwards: list[list[Any]] = field(default_factory=list)  # [start, end]
+    ready: list[tuple[int, Any]] = field(default_factory=list)
+    comms: list[_Comm] = field(default_factory=list)
+    waits: list[list[Any]] = field(default_factory=list)
+    optimizer: list[list[Any]] = field(default_factory=list)
+    synced: bool = False
+
+
+class Tracer:
+    """Records a :class:`StepTrace` per synchronising step of the DDP it is attached to."""
+
+    def __init__(self) -> None:
+        self._done: list[StepTrace] = []
+        self._pending: list[_RawStep] = []
+        self._current: _RawStep | None = None
+        self._clock: Any = None
+        self._origin: Any = None
+        self._origin_ms = 0.0
+        self._lanes = 1
+        self._info: dict[str, Any] = {}
+        self._buckets: list[dict[str, Any]] = []
+        self._nbytes: list[int] = []
+        self._step = 0
+        self._backward_open = False
+        self.meta: dict[str, Any] = {}
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> list[StepTrace]:
+        """Every finished step so far, resolved (on GPU this synchronises, after the fact)."""
+        if self._current is not None and self._current.synced:
+            self._close()
+        if self._pending:
+            self._clock.settle([c.end for raw in self._pending for c in raw.comms])
+            self._done.extend(self._resolve(raw) for raw in self._pending)
+            self._pending = []
+        return list(self._done)
+
+    def clear(self) -> None:
+        """Forget recorded steps (e.g. warm-up ones)."""
+        _ = self.steps
+        self._done = []
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Time ``optimizer.step()`` as the step's ``optimizer`` span; returns the optimizer."""
+        optimizer.register_step_pre_hook(lambda *_: self._optimizer_start())
+        optimizer.register_step_post_hook(lambda *_: self._optimizer_end())
+        return optimizer
+
+    # -- called by dplab.DDP -------------------------------------------------------------------
+
+    def _attach(self, ddp: Any) -> None:
+        group = ddp.process_group
+        backend = dist.get_backend(group)
+        device = ddp.bucket_buffers[0].device
+        if backend == "nccl" and device.type == "cuda":
+            self._clock = CudaClock(device)
+            self._lanes = 1
+        else:
+            self._clock = HostClock()
+            self._lanes = _gloo_threads(group) if backend == "gloo" else 1
+        self._info = {
+            "rank": ddp.rank,
+            "world_size": ddp.world_size,
+            "backend": backend,
+            "device": str(device),
+            "clock": self._clock.kind,
+        }
+        self._buckets_changed(ddp)
+        self._align(group)
+
+    def _align(self, group: Any) -> None:
+        """One time base for all ranks: rank lanes then line up in one figure.
+
+        Ranks on one host share the monotonic clock, so rank 0's reading is exact for all.
+        Across hosts, every rank takes its own reading as it leaves a barrier.
+        """
+        dist.barrier(group=group)
+        if self._clock.kind == "cuda_event":
+            torch.cuda.synchronize(self._clock.device)
+        self._origin = self._clock.now()
+        if self._clock.kind == "host":
+            readings: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(readings, (socket.gethostname(), self._origin), group=group)
+            if len({host for host, _ in readings}) == 1:
+                self._origin = readings[0][1]
+
+    def _buckets_changed(self, ddp: Any) -> None:
+        self._buckets = [b.to_dict() for b in ddp.buckets]
+        self._nbytes = [b.nbytes for b in ddp.buckets]
+
+    def _forward_start(self) -> None:
+        if self._current is not None and self._current.synced:
+            self._close()
+        mark = self._clock.now()
+        if self._current is None:
+            self._current = _RawStep(start=mark, buckets=self._buckets)
+        self._current.forwards.append([mark, None])
+
+    def _forward_end(self, out: Any) -> None:
+        self._current.forwards[-1][1] = self._clock.now()
+        self._backward_open = False
+        hooked = _first_grad_tensor(out)
+        if hooked is not None:
+            hooked.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        self._open_backward()
+
+    def _open_backward(self) -> None:
+        if not self._backward_open:
+            self._backward_open = True
+            self._current.backwards.append([self._clock.now(), None])
+
+    def _grad_ready(self, index: int) -> None:
+        if not self._backward_open:
+            self._open_backward()
+
+    def _bucket_ready(self, bucket: int) -> None:
+        self._current.ready.append((bucket, self._clock.now()))
+
+    def _before_allreduce(self, bucket: int) -> None:
+        self._launch_mark = self._clock.now()
+
+    def _allreduce_launched(self, bucket: int, work: Any) -> None:
+        end = self._clock.completion(work)
+        self._current.comms.append(_Comm(bucket, self._nbytes[bucket], self._launch_mark, end))
+
+    def _backward_end(self, *, synced: bool) -> None:
+        mark = self._clock.now()
+        if self._current.backwards:
+            self._current.backwards[-1][1] = mark
+        self._backward_open = False
+        if synced:
+            self._current.waits.append([mark, None])
+
+    def _wait_end(self) -> None:
+        self._current.waits[-1][1] = self._clock.now()
+        self._current.synced = True
+
+    def _optimizer_start(self) -> None:
+        if self._current is not None:
+            self._current.optimizer.append([self._clock.now(), None])
+
+    def _optimizer_end(self) -> None:
+        if self._current is not None and self._current.optimizer:
+            self._current.optimizer[-1][1] = self._clock.now()
+            if self._current.synced:
+                self._close()
+
+    # -- resolving -----------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        self._pending.append(self._current)
+        self._current = None
+
+    def _resolve(self, raw: _RawStep) -> StepTrace:
+        clock, origin = self._clock, self._origin
+        step0 = clock.ms(raw.start, origin)
+
+        def ms(mark: Any) -> float:
+            return clock.ms(mark, origin) - step0
+
+        spans: list[Span] = []
+        pairs = [
+            ("forward", raw.forwards),
+            ("backward", raw.backwards),
+            ("wait", raw.waits),
+            ("optimizer", raw.optimizer),
+        ]
+        for kind, marks in pairs:
+            for n, (start, end) in enumerate(marks):
+                if end is not None:
+                    label = kind if len(marks) == 1 else f"{kind} {n}"
+                    spans.append(Span(label, kind, ms(start), ms(end)))
+        for bucket, mark in raw.ready:
+            t = ms(mark)
+            spans.append(
+                Span(
+                    f"bucket {bucket} ready",
+                    "bucket_ready",
+                    t,
+                    t,
+                    bucket,
+                    self._nbytes_of(raw, bucket),
+                )
+            )
+        launches = [ms(c.launch) for c in raw.comms]
+        # A completion callback that never ran (it always does within settle()) would end the
+        # collective at the end of the wait, the latest it can have finished.
+        latest = max((s.end_ms for s in spans if s.kind == "wait"), default=0.0)
+        ends = [ms(c.end[0]) if c.end[0] is not None else latest for c in raw.comms]
+        for comm, start, end in zip(
+            raw.comms, queue_starts(launches, ends, self._lanes), ends, strict=True
+        ):
+            spans.append(
+                Span(
+                    f"all-reduce bucket {comm.bucket}",
+                    "allreduce",
+                    start,
+                    end,
+                    comm.bucket,
+                    comm.nbytes,
+                )
+            )
+        trace = StepTrace(
+            spans=sorted(spans, key=lambda s: (s.start_ms, s.end_ms)),
+            buckets=raw.buckets,
+            step=self._step,
+            origin_ms=step0,
+            meta=dict(self.meta, comm_lanes=self._lanes),
+            **self._info,
+        )
+        self._step += 1
+        return trace
+
+    @staticmethod
+    def _nbytes_of(raw: _RawStep, bucket: int) -> int | None:
+        for b in raw.buckets:
+            if b["index"] == bucket:
+                return b["nbytes"]
+        return None
+
+
+def _gloo_threads(group: Any) -> int:
+    """Gloo runs collectives on a pool of threads (2 by default): two buckets can overlap."""
+    try:
+        return int(group._get_backend(torch.device("cpu")).options._threads)
+    except (AttributeError, RuntimeError):
+        return 2
+
+
+def _first_grad_tensor(out: Any) -> torch.Tensor | None:
+    for t in tensors_in(out):
+        if t.requires_grad:
+            return t
+    return None

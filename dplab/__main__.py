@@ -96,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for add in VERBS:
         add(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[2:] if argv is None else argv[1:])
     return int(args.func(args) or 0)
 
 

@@ -174,9 +174,15 @@ def chrome_trace(steps: list[StepTrace]) -> dict[str, Any]:
                 "args": {"sort_index": rank},
             }
         )
-        for tid, lane in ((0, "compute"), (1, "comm")):
+        for tid, lane_name in ((0, "compute"), (1, "comm")):
             events.append(
-                {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"name": lane_name},
+                }
             )
     for step in steps:
         names = {b["index"]: b.get("param_names", []) for b in step.buckets}

@@ -1,0 +1,82 @@
+"""``python -m dplab trace``: measure traced DDP steps and write them where tools can read them.
+
+Writes ``rank{r}.json`` per rank, ``trace.json`` (Chrome trace events: open it in
+https://ui.perfetto.dev or chrome://tracing) and ``timeline.html`` (a plotly timeline with
+plotly.js embedded, so it opens offline). Under ``torchrun --nproc-per-node N -m dplab trace …``
+every process traces its own rank and rank 0 writes the files for all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    import dplab
+    from dplab.experiments import measure_ddp, traces
+    from dplab.launch import in_torchrun
+    from dplab.trace.files import save_run, write_atomic
+
+    world_size = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.world_size
+    kwargs = {
+        "bucket_cap_mb": args.bucket_cap_mb,
+        "first_bucket_cap_mb": args.first_bucket_cap_mb,
+        "variant": args.variant,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+    }
+    results = dplab.launch(
+        measure_ddp, world_size, backend=args.backend, args=(args.model,), kwargs=kwargs
+    )
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0
+    steps = traces(results)
+    meta = {
+        "command": "python -m dplab trace " + " ".join(args.argv),
+        "model": args.model,
+        **kwargs,
+    }
+    paths = save_run(steps, args.out, meta)
+    from dplab.viz.timeline import timeline_figure
+
+    fig = timeline_figure(
+        [rank_steps[-1] for rank_steps in steps],
+        title=f"{args.model}, {world_size} ranks, bucket cap {args.bucket_cap_mb} MiB",
+    )
+    paths["html"] = write_atomic(
+        Path(args.out) / "timeline.html", fig.to_html(include_plotlyjs=True, full_html=True)
+    )
+    last = steps[0][-1].metrics
+    print(
+        f"{len(steps[0])} steps on {world_size} ranks ({steps[0][-1].backend}); "
+        "the last step of rank 0: "
+        f"step {last.t_step_ms:.1f} ms, compute {last.t_compute_ms:.1f} ms, "
+        f"comm {last.t_comm_ms:.1f} ms, exposed {last.exposed_comm_ms:.1f} ms, "
+        f"overlap {last.overlap_fraction:.0%}"
+    )
+    for name, path in paths.items():
+        print(f"  {name}: {path}")
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    from dplab.experiments import VARIANTS
+    from dplab.models import MODELS
+
+    p = sub.add_parser("trace", help="measure traced DDP steps; write JSON, Chrome trace, HTML")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--model", default="tiny-gpt", choices=MODELS)
+    p.add_argument("--variant", default="bucketed", choices=list(VARIANTS))
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank (B_local)")
+    p.add_argument("--out", required=True, help="folder for the files, e.g. runs/NAME/")
+    p.set_defaults(func=cmd_trace)

@@ -1,0 +1,213 @@
+"""dplab.Tracer on real ranks, the metrics' interval arithmetic, and the trace files."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dplab
+from dplab.experiments import measure_ddp, traces
+from dplab.models import make_batch, make_model
+from dplab.trace import Span, StepTrace, chrome_trace, load_rank, load_run, save_run
+from dplab.trace.clocks import queue_starts
+from dplab.trace.metrics import attribute, step_metrics, subtract, union
+
+# -- interval arithmetic ----------------------------------------------------------------------
+
+
+def test_union_subtract_and_attribute_on_a_known_case():
+    assert union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
+    assert subtract([(0, 10)], [(2, 3), (5, 7)]) == [(0, 2), (3, 5), (7, 10)]
+    share = attribute([(4, 10)], [(0, (0, 6)), (1, (3, 9)), (2, (8, 10))])
+    assert share == {0: 2.0, 1: 3.0, 2: 1.0}  # lowest active bucket owns each instant
+
+
+def test_metrics_invariants_on_random_steps():
+    rng = random.Random(1)
+    for _ in range(200):
+        spans = [Span("forward", "forward", 0, 10), Span("backward", "backward", 10, 40)]
+        t = 12.0
+        for b in range(rng.randint(1, 8)):
+            start = t + rng.uniform(0, 10)
+            end = start + rng.uniform(0.1, 15)
+            spans.append(Span(f"all-reduce bucket {b}", "allreduce", start, end, b, 100))
+            t = start
+        m = step_metrics(spans)
+        assert 0 <= m.exposed_comm_ms <= m.t_comm_ms + 1e-9
+        assert 0 <= m.overlap_fraction <= 1
+        assert abs(sum(m.exposed_ms.values()) - m.exposed_comm_ms) < 1e-9
+        assert m.t_step_ms >= m.predicted_step_ms - 1e-9  # the bound can't be beaten
+
+
+def test_queue_starts_counts_only_the_collectives_own_time():
+    # three launched at once on one worker: each waits for the previous
+    assert queue_starts([0, 0, 0], [5, 9, 12], lanes=1) == [0, 5, 9]
+    # two workers: the third waits for the first free one
+    assert queue_starts([0, 0, 0], [5, 9, 12], lanes=2) == [0, 0, 5]
+    # launched after the previous finished: starts at its launch
+    assert queue_starts([0, 10], [5, 12], lanes=1) == [0, 10]
+
+
+# -- real ranks -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def measured(cluster2) -> list[list[StepTrace]]:
+    return traces(cluster2.run(measure_ddp, "tiny-gpt", bucket_cap_mb=0.25, steps=3, warmup=1))
+
+
+def test_one_allreduce_per_bucket_per_step_never_before_ready(measured):
+    for rank_steps in measured:
+        assert len(rank_steps) == 3
+        for step in rank_steps:
+            ready = {s.bucket: s.start_ms for s in step.of("bucket_ready")}
+            comms = step.of("allreduce")
+            assert (
+                sorted(s.bucket for s in comms) == list(range(len(step.buckets))) == sorted(ready)
+            )
+            for s in comms:
+                assert s.start_ms >= ready[s.bucket] - 1e-6
+                assert s.end_ms >= s.start_ms
+                assert s.nbytes == step.buckets[s.bucket]["nbytes"]
+
+
+def test_measured_metrics_are_consistent(measured):
+    for rank_steps in measured:
+        for step in rank_steps:
+            m = step.metrics
+            assert 0 <= m.exposed_comm_ms <= m.t_comm_ms
+            assert 0 <= m.overlap_fraction <= 1
+            assert m.n_allreduce == len(step.buckets)
+            assert m.t_step_ms >= m.predicted_step_ms
+            kinds = {s.kind for s in step.spans}
+            assert {
+                "forward",
+                "backward",
+                "bucket_ready",
+                "allreduce",
+                "wait",
+                "optimizer",
+            } <= kinds
+
+
+def test_rank_lanes_share_one_time_base(measured):
+    # every rank leaves the last all-reduce together, so their ends line up on the common base
+    for a, b in zip(measured[0], measured[1], strict=True):
+        end_a = a.origin_ms + max(s.end_ms for s in a.of("allreduce"))
+        end_b = b.origin_ms + max(s.end_ms for s in b.of("allreduce"))
+        assert abs(end_a - end_b) < 20.0
+
+
+def test_round_trip_through_dict_json_and_files(measured, tmp_path):
+    step = measured[0][-1]
+    again = StepTrace.from_dict(json.loads(json.dumps(step.to_dict())))
+    assert again.to_dict() == step.to_dict()
+    paths = save_run(measured, tmp_path, {"command": "test"})
+    assert load_run(tmp_path)[1][2].to_dict() == measured[1][2].to_dict()
+    chrome = json.loads(paths["chrome"].read_text())
+    assert chrome["distributedInfo"]["world_size"] == 2
+    assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1}
+    comm = [e for e in chrome["traceEvents"] if e.get("cat") == "allreduce"]
+    assert comm and all(e["ph"] == "X" and e["tid"] == 1 and e["dur"] >= 0 for e in comm)
+    assert all({"bucket", "bytes", "params"} <= set(e["args"]) for e in comm)
+    assert all(e["tid"] == 0 for e in chrome["traceEvents"] if e.get("cat") == "backward")
+
+
+def test_truncated_and_foreign_files_are_clear_errors(measured, tmp_path):
+    path = save_run(measured, tmp_path)["rank0"]
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match="cut short"):
+        load_rank(path)
+    path.write_text(json.dumps({"traceEvents": []}))
+    with pytest.raises(ValueError, match="not a dplab trace file"):
+        load_rank(path)
+    with pytest.raises(ValueError, match="not a dplab step trace"):
+        StepTrace.from_dict({"format": "something else"})
+    with pytest.raises(ValueError, match="no steps"):
+        chrome_trace([])
+
+
+def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch):
+    from dplab.trace import files
+
+    target = tmp_path / "rank0.json"
+    target.write_text("previous")
+
+    def boom(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        files.write_atomic(target, "new")
+    assert target.read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.json"]
+
+
+def _micro_batches() -> list[dict]:
+    return measure_ddp("tiny-gpt", bucket_cap_mb=0.25, steps=2, warmup=0, micro_batches=3)
+
+
+def test_no_sync_micro_batches_fold_into_one_step(cluster2):
+    for rank_steps in traces(cluster2.run(_micro_batches)):
+        assert len(rank_steps) == 2
+        for step in rank_steps:
+            assert len(step.of("forward")) == 3 and len(step.of("backward")) == 3
+            assert step.metrics.n_allreduce == len(step.buckets)  # one per bucket, not per micro
+
+
+class _SlowWork:
+    """A collective that completes ``delay_s`` after the real one: a planted slow link."""
+
+    def __init__(self, work, delay_s: float):
+        self._future = torch.futures.Future()
+
+        def finish():
+            work.wait()
+            time.sleep(delay_s)
+            self._future.set_result(None)
+
+        threading.Thread(target=finish, daemon=True).start()
+
+    def wait(self):
+        self._future.wait()
+        return True
+
+    def get_future(self):
+        return self._future
+
+
+def _exposed_with_delay(delay_s: float) -> float:
+    tracer = dplab.Tracer()
+    ddp = dplab.DDP(
+        make_model("tiny-gpt"), bucket_cap_mb=0.25, first_bucket_cap_mb=0.25, tracer=tracer
+    )
+    last = len(ddp.buckets) - 1
+    real = dist.all_reduce
+
+    def slow_last_bucket(tensor, *a, **k):
+        work = real(tensor, *a, **k)
+        is_last = tensor.data_ptr() == ddp.bucket_buffers[last].data_ptr()
+        return _SlowWork(work, delay_s) if is_last else work
+
+    dist.all_reduce = slow_last_bucket
+    try:
+        for step in range(4):
+            x, y = make_batch("tiny-gpt", 4, seed=step)
+            ddp(x, y).backward()
+    finally:
+        dist.all_reduce = real
+    exposed = sorted(s.metrics.exposed_comm_ms for s in tracer.steps[1:])
+    return exposed[1]  # median of 3
+
+
+def test_a_planted_delay_in_the_comm_path_shows_up_as_exposed_time(cluster2):
+    base = max(cluster2.run(_exposed_with_delay, 0.0))
+    slow = max(cluster2.run(_exposed_with_delay, 0.1))
+    assert 70 < slow - base < 150  # 100 ms planted on the last bucket, all of it exposed

@@ -102,12 +102,8 @@ class Tracer:
         group = ddp.process_group
         backend = dist.get_backend(group)
         device = ddp.bucket_buffers[0].device
-        if backend == "nccl" and device.type == "cuda":
-            self._clock = CudaClock(device)
-            self._lanes = 1
-        else:
-            self._clock = HostClock()
-            self._lanes = _gloo_threads(group) if backend == "gloo" else 1
+        self._clock = pick_clock(backend, device)
+        self._lanes = _gloo_threads(group) if backend == "gloo" else 1
         self._info = {
             "rank": ddp.rank,
             "world_size": ddp.world_size,
@@ -269,6 +265,17 @@ class Tracer:
             if b["index"] == bucket:
                 return b["nbytes"]
         return None
+
+
+def pick_clock(backend: str, device: torch.device) -> HostClock | CudaClock:
+    """CUDA events where NCCL works on GPU streams; host clocks where gloo works on threads.
+
+    Gloo with CUDA tensors copies to the host and reduces on its threads, so its completion is a
+    host event too (its compute spans are then kernel launches, not kernel times).
+    """
+    if backend == "nccl" and device.type == "cuda":
+        return CudaClock(device)
+    return HostClock()
 
 
 def _gloo_threads(group: Any) -> int:

@@ -1,0 +1,97 @@
+"""dplab.DDP against torch's DistributedDataParallel: step time, side by side, on 2 gloo ranks.
+
+Each bucket cap gets a dplab model and a torch model (same weights, same caps: torch only uses
+a 1 MiB first bucket when bucket_cap_mb is left at its default, so dplab's first bucket is set
+equal to the cap). All configs are interleaved step by step in one shuffled order that both
+ranks share; every timed step starts at a barrier. Reported: the median step of each, the
+ratio dplab / torch with a 95% bootstrap interval. Goal <= 1.02; it must not exceed 1.05.
+
+    python benchmarks/ddp_vs_torch.py [--steps 30] [--model gpt-7m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from _stats import machine, median_ratio
+from torch import nn
+
+import dplab
+from dplab.models import make_batch, make_model, n_params
+
+
+def race(model: str, caps: list[float], steps: int, batch_size: int) -> dict:
+    rank = dist.get_rank()
+    nets, opts = {}, {}
+    for cap in caps:
+        nets[("dplab", cap)] = dplab.DDP(
+            make_model(model), bucket_cap_mb=cap, first_bucket_cap_mb=cap
+        )
+        nets[("torch", cap)] = nn.parallel.DistributedDataParallel(
+            make_model(model), bucket_cap_mb=cap
+        )
+    for key, net in nets.items():
+        opts[key] = torch.optim.SGD(net.parameters(), lr=1e-4)
+    x, y = make_batch(model, batch_size, seed=rank)
+
+    def step(key) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        nets[key](x, y).backward()
+        opts[key].step()
+        opts[key].zero_grad(set_to_none=False)
+        return (time.perf_counter() - t0) * 1e3
+
+    for key in nets:  # warm-up: allocations, and torch's bucket rebuild after its first step
+        for _ in range(2):
+            step(key)
+    order = [key for key in nets for _ in range(steps)]
+    random.Random(0).shuffle(order)  # the same order on both ranks: same seed
+    times: dict = {key: [] for key in nets}
+    for key in order:
+        times[key].append(step(key))
+    buckets = {cap: len(nets[("dplab", cap)].buckets) for cap in caps}
+    return {"times": {f"{k[0]}@{k[1]}": v for k, v in times.items()}, "buckets": buckets}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt-7m")
+    p.add_argument("--caps", type=float, nargs="+", default=[0.5, 5.0, 25.0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=4)
+    args = p.parse_args()
+    out = dplab.launch(
+        race, 2, args=(args.model, args.caps, args.steps, args.batch_size), timeout_s=3600
+    )
+    times = out[0]["times"]  # rank 0's clock; every step began at a barrier on both ranks
+    print(
+        f"machine: {machine()}; model {args.model} ({n_params(make_model(args.model)) / 1e6:.1f} M "
+        f"params), local batch {args.batch_size}, {args.steps} steps per config, 2 gloo ranks"
+    )
+    print("| bucket cap | buckets | dplab median | torch median | dplab / torch (95% CI) |")
+    print("|---|---|---|---|---|")
+    for cap in args.caps:
+        ours, theirs = times[f"dplab@{cap}"], times[f"torch@{cap}"]
+        ratio, lo, hi = median_ratio(ours, theirs)
+        print(
+            f"| {cap:g} MiB | {out[0]['buckets'][cap]} | {statistics.median(ours):.1f} ms | "
+            f"{statistics.median(theirs):.1f} ms | {ratio:.3f} ({lo:.3f}–{hi:.3f}) |"
+        )
+    all_ours = [t for cap in args.caps for t in times[f"dplab@{cap}"]]
+    all_theirs = [t for cap in args.caps for t in times[f"torch@{cap}"]]
+    ratio, lo, hi = median_ratio(all_ours, all_theirs)
+    print(f"| all caps | | | | {ratio:.3f} ({lo:.3f}–{hi:.3f}) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""What tracing costs: traced / untraced dplab.DDP step time, side by side, on 2 gloo ranks.
+
+Two identical models, one with a Tracer (and the optimizer watched), one without; steps
+interleaved in one shuffled order shared by both ranks, each starting at a barrier. Goal <= 1.03;
+it must not exceed 1.05.
+
+    python benchmarks/trace_overhead.py [--steps 40] [--cap 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from _stats import machine, median_ratio
+
+import dplab
+from dplab.models import make_batch, make_model
+
+
+def race(model: str, caps: list[float], steps: int, batch_size: int) -> dict:
+    x, y = make_batch(model, batch_size, seed=dist.get_rank())
+    runs = {}
+    for cap in caps:
+        for traced in (True, False):
+            tracer = dplab.Tracer() if traced else None
+            net = dplab.DDP(
+                make_model(model), bucket_cap_mb=cap, first_bucket_cap_mb=cap, tracer=tracer
+            )
+            opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+            if tracer:
+                tracer.watch(opt)
+            runs[(cap, traced)] = (net, opt, tracer)
+
+    def step(key) -> float:
+        net, opt, tracer = runs[key]
+        dist.barrier()
+        t0 = time.perf_counter()
+        net(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        if tracer is not None:
+            tracer.steps  # resolving is part of the price, paid outside the step  # noqa: B018
+        return elapsed
+
+    for key in runs:
+        for _ in range(2):
+            step(key)
+    order = [key for key in runs for _ in range(steps)]
+    random.Random(0).shuffle(order)
+    times = {key: [] for key in runs}
+    for key in order:
+        times[key].append(step(key))
+    return {f"{cap}/{'traced' if traced else 'plain'}": v for (cap, traced), v in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt-7m")
+    p.add_argument("--caps", type=float, nargs="+", default=[0.5, 5.0, 25.0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=4)
+    args = p.parse_args()
+    times = dplab.launch(
+        race, 2, args=(args.model, args.caps, args.steps, args.batch_size), timeout_s=3600
+    )[0]
+    print(
+        f"machine: {machine()}; model {args.model}, local batch {args.batch_size}, "
+        f"{args.steps} steps per config, 2 gloo ranks"
+    )
+    print("| bucket cap | untraced median | traced median | traced / untraced (95% CI) |")
+    print("|---|---|---|---|")
+    for cap in args.caps:
+        traced, plain = times[f"{cap}/traced"], times[f"{cap}/plain"]
+        ratio, lo, hi = median_ratio(traced, plain)
+        print(
+            f"| {cap:g} MiB | {statistics.median(plain):.1f} ms | "
+            f"{statistics.median(traced):.1f} ms | {ratio:.3f} ({lo:.3f}–{hi:.3f}) |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ are touched only inside :func:`check_memory`). It asserts and returns its figure
 1. one GPT block in bf16 saves for backward what Korthikanti et al. count (34·sbh + 5·as²b),
    plus the LayerNorm statistics they leave out, within 1%;
 2. mixed-precision AdamW on a ~120M-parameter GPT holds 16 bytes per parameter, counted from
-   the storages *and* seen by ``torch.cuda.memory_allocated`` (within 1%);
+   the storages (within 1%) *and* seen by ``torch.cuda.memory_allocated`` (within 2%);
 3. during a training step ``torch.cuda.max_memory_allocated`` reaches at least model state +
    saved activations, and not much more (the rest is transient: logits' gradients, workspaces).
 """
@@ -57,7 +57,13 @@ def check_memory() -> dict[str, Any]:
         assert abs(saved.nbytes - with_stats) <= 0.01 * with_stats, blocks[-1]
     out["block_activations"] = blocks
 
-    # 2. model state: storages and the allocator agree on 16 B/param
+    # 2. model state: storages and the allocator agree on 16 B/param.
+    # Warm up first: cuBLAS allocates its workspace (tens of MiB on Hopper) through torch's
+    # allocator on first use; it must sit in the baseline, not in the model's bytes.
+    for dtype in (torch.bfloat16, torch.float32):
+        warm = torch.nn.Linear(64, 64, device=dev, dtype=dtype)
+        warm(torch.randn(8, 64, device=dev, dtype=dtype)).sum().backward()
+    del warm
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)
@@ -75,7 +81,7 @@ def check_memory() -> dict[str, Any]:
     assert abs(held.bytes_per_param - 16) <= 0.16, held.to_dict()
     state_and_buffers = held.state_bytes + held.parts["buffers"]
     # the batch (x, y) is alive too: a few tens of KB
-    assert abs(allocated - state_and_buffers) <= 0.01 * state_and_buffers, out
+    assert abs(allocated - state_and_buffers) <= 0.02 * state_and_buffers, out
 
     # 3. a second step: peak = state + activations + transients
     opt.zero_grad(set_to_none=False)  # grads stay allocated, as DDP's buckets keep them

@@ -1,0 +1,54 @@
+"""The DDP step simulator: a measured compute profile plus a link model gives a ``StepTrace``.
+
+Measure once, on real ranks, when each gradient is ready (:func:`measure_profile` →
+:class:`BackwardProfile`); then ask what a step would look like for any bucket cap, world size
+and fabric (:func:`simulate`), and which cap is best (:func:`best_bucket_cap`). The answer is
+the same kind of object a measured step is, so it draws and measures the same way.
+
+    profile = dplab.sim.measure_profile("gpt-7m")
+    trace = dplab.sim.simulate(profile, bucket_cap_mb=25, first_bucket_cap_mb=1,
+                               world_size=1024, link=dplab.sim.get_link("ib-400g"))
+    trace.metrics.exposed_comm_ms
+"""
+
+from dplab.sim.cli import add_cli
+from dplab.sim.engine import (
+    best_bucket_cap,
+    candidate_caps,
+    plan_buckets,
+    schedule,
+    simulate,
+    sweep,
+)
+from dplab.sim.link import LINK_NAMES, PRESETS, Link, get_link, loopback_link
+from dplab.sim.profile import (
+    BackwardProfile,
+    Contention,
+    ParamTiming,
+    measure_profile,
+    merge_runs,
+    profile_from_ranks,
+    profile_rank,
+)
+
+__all__ = [
+    "LINK_NAMES",
+    "PRESETS",
+    "BackwardProfile",
+    "Contention",
+    "Link",
+    "ParamTiming",
+    "add_cli",
+    "best_bucket_cap",
+    "candidate_caps",
+    "get_link",
+    "loopback_link",
+    "measure_profile",
+    "merge_runs",
+    "plan_buckets",
+    "profile_from_ranks",
+    "profile_rank",
+    "schedule",
+    "simulate",
+    "sweep",
+]

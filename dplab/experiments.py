@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dplab.ddp import DDP, NaiveDDP, PerParameterDDP
+from dplab.launch import device as rank_device
 from dplab.models import MODELS, make_batch, make_model
 from dplab.trace import StepTrace, Tracer
 
@@ -84,8 +85,9 @@ def measure_ddp(
         "batch_size": batch_size,
         "micro_batches": micro_batches,
     }
+    dev = rank_device()  # cuda:LOCAL_RANK under NCCL, else the CPU
     ddp = wrap(
-        make_model(model, seed=seed),
+        make_model(model, seed=seed).to(dev),
         variant,
         tracer,
         bucket_cap_mb=bucket_cap_mb,
@@ -98,7 +100,7 @@ def measure_ddp(
         if step == warmup:
             tracer.clear()
         x, y = make_batch(model, batch_size, seed=seed + 1000 * step + rank)
-        train_step(ddp, opt, x, y, micro_batches)
+        train_step(ddp, opt, x.to(dev), y.to(dev), micro_batches)
     return [s.to_dict() for s in tracer.steps]
 
 
@@ -133,14 +135,18 @@ def compare_with_torch(
     """
     _check(model, "bucketed", steps, 0, 1)
     tracer = Tracer()
+    dev = rank_device()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     ours = DDP(
-        make_model(model, seed=seed),
+        make_model(model, seed=seed).to(dev),
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=bucket_cap_mb,
         tracer=tracer,
     )
     theirs = nn.parallel.DistributedDataParallel(
-        make_model(model, seed=seed), bucket_cap_mb=bucket_cap_mb
+        make_model(model, seed=seed).to(dev),
+        device_ids=[dev.index] if dev.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
     )
     opts = {
         "dplab": torch.optim.SGD(ours.parameters(), lr=1e-3),
@@ -148,7 +154,7 @@ def compare_with_torch(
     }
     tracer.watch(opts["dplab"])
     rank = dist.get_rank()
-    x, y = make_batch(model, batch_size, seed=seed + rank)
+    x, y = (t.to(dev) for t in make_batch(model, batch_size, seed=seed + rank))
     for net in (ours, theirs):  # a warm-up step on both, which lets torch rebuild its buckets
         net(x, y).backward()
     grad_diff = max(
@@ -161,14 +167,16 @@ def compare_with_torch(
     times: dict[str, list[float]] = {"dplab": [], "torch": []}
     logged: list[dict[str, float]] = []
     for step in range(1, steps + 1):
-        x, y = make_batch(model, batch_size, seed=seed + 1000 * step + rank)
+        x, y = (t.to(dev) for t in make_batch(model, batch_size, seed=seed + 1000 * step + rank))
         for name in ("dplab", "torch") if step % 2 else ("torch", "dplab"):
             net = ours if name == "dplab" else theirs
             dist.barrier()
+            sync()  # on a GPU the host only enqueues: time the work, not the enqueueing
             t0 = time.perf_counter()
             net(x, y).backward()
             opts[name].step()
             opts[name].zero_grad(set_to_none=False)
+            sync()
             times[name].append((time.perf_counter() - t0) * 1e3)
         data = theirs._get_ddp_logging_data()
         logged.append({f: data.get(f, 0) / 1e6 for f in TORCH_LOGGING_FIELDS})

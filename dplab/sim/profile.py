@@ -176,22 +176,27 @@ def profile_rank(
     import torch
     import torch.distributed as dist
 
+    from dplab.launch import device
     from dplab.models import make_batch, make_model
+    from dplab.trace.tracer import pick_clock
 
     rank = dist.get_rank()
-    net = make_model(model, seed=seed)
+    dev = device()
+    # Host clocks on CPU; CUDA events on GPU (the host only enqueues kernels there).
+    clock = pick_clock(dist.get_backend(), dev)
+    net = make_model(model, seed=seed).to(dev)
     params = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     opt = torch.optim.SGD([p for _, p in params], lr=1e-3)
-    marks: list[int | None] = [None] * len(params)
-    box: dict[str, int] = {}
+    marks: list[Any] = [None] * len(params)
+    box: dict[str, Any] = {}
 
     def on_grad(i: int):
         def hook(_: torch.Tensor) -> None:
-            marks[i] = time.perf_counter_ns()
+            marks[i] = clock.now()
             if "queued" not in box:
                 box["queued"] = 1
                 torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: box.__setitem__("end", time.perf_counter_ns())
+                    lambda: box.__setitem__("end", clock.now())
                 )
 
         return hook
@@ -199,19 +204,20 @@ def profile_rank(
     handles = [p.register_post_accumulate_grad_hook(on_grad(i)) for i, (_, p) in enumerate(params)]
     samples = []
     for step in range(warmup + steps):
-        x, y = make_batch(model, batch_size, seed=seed + 1000 * step + rank)
+        x, y = (t.to(dev) for t in make_batch(model, batch_size, seed=seed + 1000 * step + rank))
         marks[:] = [None] * len(params)
         box.clear()
         dist.barrier()
-        t0 = time.perf_counter_ns()
+        t0 = clock.now()
         loss = net(x, y)
-        t1 = time.perf_counter_ns()
-        loss.register_hook(lambda g: box.__setitem__("start", time.perf_counter_ns()))
+        t1 = clock.now()
+        loss.register_hook(lambda g: box.__setitem__("start", clock.now()))
         loss.backward()
-        t2 = time.perf_counter_ns()
+        t2 = clock.now()
         opt.step()
-        t3 = time.perf_counter_ns()
+        t3 = clock.now()
         opt.zero_grad(set_to_none=False)
+        clock.settle([])  # on GPU: wait for the events, after the step
         missing = [params[i][0] for i, m in enumerate(marks) if m is None]
         if missing:
             raise RuntimeError(f"these parameters got no gradient, cannot profile them: {missing}")
@@ -219,22 +225,24 @@ def profile_rank(
             start = box["start"]
             samples.append(
                 {
-                    "forward_ms": (t1 - t0) / 1e6,
-                    "backward_start_ms": (start - t0) / 1e6,
-                    "backward_ms": (box.get("end", t2) - start) / 1e6,
-                    "optimizer_ms": (t3 - t2) / 1e6,
-                    "ready_ms": [(m - start) / 1e6 for m in marks],
+                    "forward_ms": clock.ms(t1, t0),
+                    "backward_start_ms": clock.ms(start, t0),
+                    "backward_ms": clock.ms(box.get("end", t2), start),
+                    "optimizer_ms": clock.ms(t3, t2),
+                    "ready_ms": [clock.ms(m, start) for m in marks],
                 }
             )
     for h in handles:
         h.remove()
-    flat = torch.ones(sum(p.numel() for _, p in params))
+    flat = torch.ones(sum(p.numel() for _, p in params), device=dev)
     divide = []
     for _ in range(5):
         dist.barrier()  # every rank divides at once, as in a DDP step
-        t0 = time.perf_counter_ns()
+        t0 = clock.now()
         flat.div_(dist.get_world_size())
-        divide.append((time.perf_counter_ns() - t0) / 1e6 / (flat.numel() * 4 / 2**20))
+        t1 = clock.now()
+        clock.settle([])
+        divide.append(clock.ms(t1, t0) / (flat.numel() * 4 / 2**20))
     del flat
     out: dict[str, Any] = {
         "params": [
@@ -252,7 +260,9 @@ def profile_rank(
         "world_size": dist.get_world_size(),
         "device": str(params[0][1].device),
     }
-    if contention_repeats > 0:
+    if contention_repeats > 0 and dev.type == "cpu":
+        # The contention probe measures gloo's threads stealing CPU cores from backward: a CPU
+        # effect. On a GPU, NCCL runs on its own SMs and streams; free overlap is the model.
         backward_ms = statistics.median(s["backward_ms"] for s in samples)
         batch = make_batch(model, batch_size, seed=seed + 7919 + rank)
         out["contention"] = contention_rank(net, batch, backward_ms, contention_repeats)

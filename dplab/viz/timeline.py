@@ -1,0 +1,464 @@
+"""The DDP step as a picture: per rank a compute lane and a comm lane, on one time axis.
+
+Measured steps (host clock, CUDA events) and simulated ones draw the same way, because both are
+:class:`~dplab.trace.StepTrace`. What the figure shows, per rank:
+
+- the **compute lane**: forward, backward (one span per micro-batch), the wait at the end of
+  backward for outstanding all-reduces, the optimizer step;
+- the **comm lane**: each bucket's all-reduce, labelled ``b0``, ``b1``, …; hover gives the
+  bucket, its bytes, its parameters and its times. A collective can run while another one is
+  still going (gloo runs them on two threads), so overlapping spans go to sub-rows of the lane;
+- the **exposed** part of every all-reduce (no backward compute runs then) in its own colour:
+  this is the time the step pays for communication;
+- **bucket-ready markers** between the lanes: the moment a bucket's last gradient arrived;
+- the **prediction** ``max(T_compute, T_comm)``, a dashed line: the step with perfect overlap.
+  A real step can only be slower (it is a lower bound, both terms being parts of the step).
+
+Several steps (e.g. naive, per-parameter and bucketed) go into panels, stacked on one time axis
+so that their lengths compare at a glance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dplab.trace import StepTrace
+from dplab.trace.metrics import subtract
+from dplab.viz.style import COLORS, layout
+
+ALIGNS = ("rank0", "step")
+COMPUTE_KINDS = ("forward", "backward", "wait", "optimizer")
+KIND_LABELS = {
+    "forward": "forward",
+    "backward": "backward",
+    "wait": "wait for all-reduces",
+    "optimizer": "optimizer",
+    "allreduce": "all-reduce (hidden under backward)",
+    "exposed": "all-reduce, exposed",
+    "bucket_ready": "bucket ready",
+    "predicted": "max(T_compute, T_comm)",
+}
+BAR_WIDTH = 0.8
+ROW_PX = 34
+MAX_PARAMS_IN_HOVER = 8
+
+
+# -- input -------------------------------------------------------------------------------------
+
+
+def _as_trace(item: Any) -> StepTrace:
+    if isinstance(item, StepTrace):
+        return item
+    if isinstance(item, Mapping):
+        return StepTrace.from_dict(dict(item))
+    raise ValueError(f"expected a StepTrace (or its to_dict()), got {type(item).__name__}")
+
+
+def panels_of(traces: Any) -> list[list[StepTrace]]:
+    """Normalise the input: a StepTrace, a list of them (one step, one per rank), or a list of
+    such lists (one panel each). Dicts from ``to_dict()`` are read back."""
+    if isinstance(traces, (StepTrace, Mapping)):
+        return [[_as_trace(traces)]]
+    if not isinstance(traces, Sequence) or isinstance(traces, (str, bytes)):
+        raise ValueError(
+            "timeline_figure needs a StepTrace, a list of StepTrace (one per rank) or a list of "
+            f"such lists (one panel each); got {type(traces).__name__}"
+        )
+    if not traces:
+        raise ValueError("no traces to draw")
+    if all(isinstance(t, (StepTrace, Mapping)) for t in traces):
+        groups: list[Any] = [traces]
+    elif all(isinstance(t, Sequence) and not isinstance(t, (str, bytes)) for t in traces):
+        groups = list(traces)
+    else:
+        raise ValueError(
+            "mixed input: pass either a list of StepTrace (one panel) or a list of lists "
+            "(one panel each), not both"
+        )
+    panels = []
+    for n, group in enumerate(groups):
+        items = [group] if isinstance(group, (StepTrace, Mapping)) else list(group)
+        if not items:
+            raise ValueError(f"panel {n} has no traces")
+        panel = sorted((_as_trace(t) for t in items), key=lambda t: t.rank)
+        ranks = [t.rank for t in panel]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(
+                f"panel {n} holds rank {_first_duplicate(ranks)} twice: a panel is one step, "
+                "one trace per rank (use several panels for several steps)"
+            )
+        panels.append(panel)
+    return panels
+
+
+def _first_duplicate(values: list[int]) -> int:
+    seen: set[int] = set()
+    for v in values:
+        if v in seen:
+            return v
+        seen.add(v)
+    raise AssertionError("no duplicate")
+
+
+# -- layout of the lanes -----------------------------------------------------------------------
+
+
+def comm_rows(trace: StepTrace) -> list[int]:
+    """Sub-row of each all-reduce (in ``trace.of("allreduce")`` order) so none overlap.
+
+    Greedy interval partitioning: each collective takes the first sub-row that is free when it
+    starts. With gloo's two worker threads this needs at most two rows; a simulated or NCCL
+    step, whose collectives run one after the other, needs one.
+    """
+    ends: list[float] = []
+    rows = []
+    for span in trace.of("allreduce"):
+        for row, end in enumerate(ends):
+            if end <= span.start_ms + 1e-9:
+                ends[row] = span.end_ms
+                rows.append(row)
+                break
+        else:
+            ends.append(span.end_ms)
+            rows.append(len(ends) - 1)
+    return rows
+
+
+def describe_step(trace: StepTrace) -> str:
+    """One line for a panel title: what ran, where, and how it was timed."""
+    meta = trace.meta
+    variant = meta.get("variant", "bucketed")
+    parts = [str(variant).replace("_", "-")]
+    if variant == "bucketed" and "bucket_cap_mb" in meta:
+        parts[0] += f", cap {meta['bucket_cap_mb']:g} MiB"
+    if "model" in meta:
+        parts.append(str(meta["model"]))
+    if int(meta.get("micro_batches", 1)) > 1:
+        parts.append(f"{meta['micro_batches']} micro-batches (all but the last under no_sync)")
+    parts.append(f"{trace.world_size:,} rank{'s' if trace.world_size != 1 else ''}")
+    if trace.simulated:
+        link = meta.get("link")
+        parts.append(f"simulated{f' on {link}' if link else ''}")
+    else:
+        parts.append(f"measured: {trace.backend}, {trace.clock.replace('_', ' ')} clock")
+    return " · ".join(parts)
+
+
+def summary_line(panel: Sequence[StepTrace]) -> str:
+    """The panel's numbers (rank 0, or the lowest rank drawn)."""
+    m = panel[0].metrics
+    n_buckets = len(panel[0].buckets) or len({s.bucket for s in panel[0].of("allreduce")})
+    who = f"rank {panel[0].rank}: " if len(panel) > 1 else ""
+    return (
+        f"{who}step {m.t_step_ms:,.1f} ms · max(T_compute, T_comm) {m.predicted_step_ms:,.1f} ms · "
+        f"exposed comm {m.exposed_comm_ms:,.1f} ms of {m.t_comm_ms:,.1f} · "
+        f"{n_buckets} bucket{'s' if n_buckets != 1 else ''}, {m.n_allreduce} all-reduces"
+    )
+
+
+# -- drawing -----------------------------------------------------------------------------------
+
+
+class _Bars:
+    """The horizontal bars of one colour in one panel, gathered into a single plotly trace."""
+
+    def __init__(self) -> None:
+        self.base: list[float] = []
+        self.x: list[float] = []
+        self.y: list[float] = []
+        self.text: list[str] = []
+        self.hover: list[str] = []
+
+    def add(self, start: float, end: float, y: float, text: str, hover: str) -> None:
+        self.base.append(start)
+        self.x.append(max(end - start, 0.0))
+        self.y.append(y)
+        self.text.append(text)
+        self.hover.append(hover)
+
+
+def _params_text(names: Sequence[str]) -> str:
+    shown = list(names[:MAX_PARAMS_IN_HOVER])
+    more = len(names) - len(shown)
+    text = "<br>  ".join(shown)
+    if more > 0:
+        text += f"<br>  … and {more} more"
+    return text
+
+
+def _bytes_text(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "?"
+    if nbytes >= 1024 * 1024:
+        return f"{nbytes / 1024 / 1024:,.2f} MiB ({nbytes:,} B)"
+    if nbytes >= 1024:
+        return f"{nbytes / 1024:,.1f} KiB ({nbytes:,} B)"
+    return f"{nbytes:,} B"
+
+
+def _draw_panel(
+    fig: go.Figure,
+    panel: Sequence[StepTrace],
+    *,
+    align: str,
+    where: dict[str, int],
+    legend_seen: set[str],
+    show_predicted: bool,
+) -> tuple[list[float], list[str]]:
+    """Add one panel's traces to ``fig``; return its y tick positions and labels."""
+    bars = {kind: _Bars() for kind in (*COMPUTE_KINDS, "allreduce", "exposed")}
+    ready_x: list[float] = []
+    ready_y: list[float] = []
+    ready_hover: list[str] = []
+    predicted: list[tuple[float, float, float, str]] = []
+    tickvals: list[float] = []
+    ticktext: list[str] = []
+    reference = panel[0].origin_ms
+    y = 0.0
+    for trace in panel:
+        offset = trace.origin_ms - reference if align == "rank0" else 0.0
+        names = {b["index"]: b.get("param_names", []) for b in trace.buckets}
+        m = trace.metrics
+        compute_y = y
+        tickvals.append(compute_y)
+        ticktext.append(f"rank {trace.rank} compute")
+        for span in trace.spans:
+            if span.kind in COMPUTE_KINDS:
+                bars[span.kind].add(
+                    offset + span.start_ms,
+                    offset + span.end_ms,
+                    compute_y,
+                    span.name,
+                    f"rank {trace.rank} · {span.name}<br>{span.start_ms:,.2f} → "
+                    f"{span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms)",
+                )
+        comms = trace.of("allreduce")
+        rows = comm_rows(trace)
+        n_rows = max(rows, default=0) + 1
+        for k in range(n_rows):
+            tickvals.append(compute_y + 1 + k)
+            ticktext.append(f"rank {trace.rank} comm" + (f" ·{k + 1}" if n_rows > 1 else ""))
+        backward = [(s.start_ms, s.end_ms) for s in trace.of("backward")]
+        for span, row in zip(comms, rows, strict=True):
+            row_y = compute_y + 1 + row
+            exposed = subtract([(span.start_ms, span.end_ms)], backward)
+            exposed_ms = sum(b - a for a, b in exposed)
+            label = f"b{span.bucket}" if span.bucket is not None else span.name
+            hover = (
+                f"rank {trace.rank} · all-reduce of bucket {span.bucket}<br>"
+                f"{_bytes_text(span.nbytes)}<br>"
+                f"{span.start_ms:,.2f} → {span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms), "
+                f"exposed {exposed_ms:,.2f} ms<br>"
+                f"parameters ({len(names.get(span.bucket, []))}):<br>  "
+                f"{_params_text(names.get(span.bucket, []))}"
+            )
+            bars["allreduce"].add(offset + span.start_ms, offset + span.end_ms, row_y, label, hover)
+            for a, b in exposed:
+                bars["exposed"].add(
+                    offset + a,
+                    offset + b,
+                    row_y,
+                    label,
+                    f"exposed: {b - a:,.2f} ms with no backward running<br>{hover}",
+                )
+        for span in trace.of("bucket_ready"):
+            ready_x.append(offset + span.start_ms)
+            ready_y.append(compute_y + 0.5)
+            n_params = len(names.get(span.bucket, []))
+            ready_hover.append(
+                f"rank {trace.rank} · bucket {span.bucket} ready at {span.start_ms:,.2f} ms<br>"
+                f"its last gradient is in ({n_params} parameters, {_bytes_text(span.nbytes)})"
+            )
+        start = min((s.start_ms for s in trace.spans), default=0.0)
+        predicted.append(
+            (
+                offset + start + m.predicted_step_ms,
+                compute_y - BAR_WIDTH / 2,
+                compute_y + n_rows + BAR_WIDTH / 2,
+                f"rank {trace.rank} · perfect overlap: max(T_compute, T_comm) = "
+                f"{m.predicted_step_ms:,.1f} ms<br>T_compute {m.t_compute_ms:,.1f} ms "
+                f"(forward + backward + optimizer), T_comm {m.t_comm_ms:,.1f} ms<br>"
+                f"this step took {m.t_step_ms:,.1f} ms; exposed comm {m.exposed_comm_ms:,.1f} ms",
+            )
+        )
+        y = compute_y + n_rows + 1.6  # a gap between ranks
+
+    colors = {**COLORS}
+    for kind, group in bars.items():
+        if not group.x and kind != "allreduce":
+            continue
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                base=group.base,
+                x=group.x,
+                y=group.y,
+                width=BAR_WIDTH,
+                text=group.text,
+                textposition="inside",
+                insidetextanchor="middle",
+                textangle=0,
+                hovertext=group.hover,
+                hoverinfo="text",
+                marker={"color": colors[kind], "line": {"width": 0.5, "color": "white"}},
+                name=KIND_LABELS[kind],
+                legendgroup=kind,
+                showlegend=kind not in legend_seen and bool(group.x),
+            ),
+            **where,
+        )
+        if group.x:
+            legend_seen.add(kind)
+    if ready_x:
+        fig.add_trace(
+            go.Scatter(
+                x=ready_x,
+                y=ready_y,
+                mode="markers",
+                marker={"symbol": "triangle-down", "size": 9, "color": COLORS["bucket_ready"]},
+                hovertext=ready_hover,
+                hoverinfo="text",
+                name=KIND_LABELS["bucket_ready"],
+                legendgroup="bucket_ready",
+                showlegend="bucket_ready" not in legend_seen,
+            ),
+            **where,
+        )
+        legend_seen.add("bucket_ready")
+    if show_predicted:
+        xs: list[float | None] = []
+        ys: list[float | None] = []
+        hovers: list[str | None] = []
+        for x, top, bottom, hover in predicted:
+            xs += [x, x, x, None]
+            ys += [top, (top + bottom) / 2, bottom, None]
+            hovers += [hover, hover, hover, None]
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=ys,
+                mode="lines+markers",
+                line={"color": COLORS["predicted"], "dash": "dash", "width": 2},
+                marker={"size": 3, "color": COLORS["predicted"]},
+                hovertext=hovers,
+                hoverinfo="text",
+                name=KIND_LABELS["predicted"],
+                legendgroup="predicted",
+                showlegend="predicted" not in legend_seen,
+            ),
+            **where,
+        )
+        legend_seen.add("predicted")
+    return tickvals, ticktext
+
+
+def _lanes(panel: Sequence[StepTrace]) -> float:
+    return sum(2 + max(comm_rows(t), default=0) + 0.6 for t in panel)
+
+
+def timeline_figure(
+    traces: Any,
+    *,
+    title: str | None = None,
+    align: str = "rank0",
+    panel_titles: Sequence[str] | None = None,
+    arrange: str = "stack",
+    shared_time: bool = True,
+    show_predicted: bool = True,
+    height: int | None = None,
+) -> go.Figure:
+    """A timeline of one or several DDP steps.
+
+    Args:
+        traces: a StepTrace; a list of StepTrace (one step, one trace per rank); or a list of
+            those lists (one panel each, e.g. naive / per-parameter / bucketed).
+        title: the figure's title (default: the first panel's description).
+        align: ``"rank0"`` puts every rank on rank 0's clock (a late rank shows as a shift);
+            ``"step"`` starts every rank's step at 0.
+        panel_titles: one title per panel (default: what ran, and its numbers).
+        arrange: ``"stack"`` (panels one above the other) or ``"side"`` (side by side).
+        shared_time: one time axis for all panels, so lengths compare directly.
+        show_predicted: draw the ``max(T_compute, T_comm)`` line.
+        height: pixels (default: from the number of lanes).
+    """
+    if align not in ALIGNS:
+        raise ValueError(f"align must be one of {ALIGNS}, got {align!r}")
+    if arrange not in ("stack", "side"):
+        raise ValueError(f"arrange must be 'stack' or 'side', got {arrange!r}")
+    panels = panels_of(traces)
+    if panel_titles is not None and len(panel_titles) != len(panels):
+        raise ValueError(f"{len(panel_titles)} panel titles for {len(panels)} panels")
+    titles = (
+        list(panel_titles)
+        if panel_titles is not None
+        else [f"{describe_step(p[0])}<br><sup>{summary_line(p)}</sup>" for p in panels]
+    )
+    lanes = [_lanes(p) for p in panels]
+    n = len(panels)
+    gap_px = 95  # between stacked panels: the time axis' labels, then the next panel's title
+    if height is None:
+        per_panel = ROW_PX * (sum(lanes) if arrange == "stack" else max(lanes))
+        height = int(max(300, per_panel + gap_px * (n - 1 if arrange == "stack" else 0) + 220))
+    plot_px = max(height - 220, 1)  # the margins and legend take the rest
+    if arrange == "stack":
+        fig = make_subplots(
+            rows=n,
+            cols=1,
+            shared_xaxes=shared_time,
+            row_heights=[x / sum(lanes) for x in lanes],
+            subplot_titles=titles,
+            vertical_spacing=min(gap_px / plot_px, 0.5 / n) if n > 1 else 0.0,
+        )
+        cells = [{"row": i + 1, "col": 1} for i in range(n)]
+    else:
+        fig = make_subplots(
+            rows=1,
+            cols=n,
+            shared_xaxes=shared_time,
+            subplot_titles=titles,
+            horizontal_spacing=min(0.08, 0.4 / n) if n > 1 else 0.0,
+        )
+        cells = [{"row": 1, "col": i + 1} for i in range(n)]
+    legend_seen: set[str] = set()
+    for panel, where in zip(panels, cells, strict=True):
+        tickvals, ticktext = _draw_panel(
+            fig,
+            panel,
+            align=align,
+            where=where,
+            legend_seen=legend_seen,
+            show_predicted=show_predicted,
+        )
+        fig.update_yaxes(
+            tickvals=tickvals,
+            ticktext=ticktext,
+            autorange="reversed",
+            zeroline=False,
+            showgrid=False,
+            **where,
+        )
+    clock = "rank 0's step start" if align == "rank0" else "each rank's step start"
+    fig.update_xaxes(title_text=f"ms from {clock}", zeroline=False)
+    if arrange == "stack" and shared_time and n > 1:
+        for i in range(1, n):
+            fig.update_xaxes(title_text="", showticklabels=True, row=i, col=1)
+    fig.update_layout(barmode="overlay", bargap=0, uniformtext={"minsize": 9, "mode": "hide"})
+    layout(
+        fig,
+        title=title or ("DDP step timeline" if n > 1 else describe_step(panels[0][0])),
+        height=height,
+    )
+    fig.update_layout(
+        margin={"t": 90 if n == 1 else 110, "b": 120},
+        hoverlabel={"align": "left"},
+        # Below the time axis whatever the figure's height (a fraction of the plot would not be).
+        legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom", "x": 0},
+    )
+    if n == 1 and panel_titles is None:
+        # One panel: its description is the title already; keep only the numbers above it.
+        fig.layout.annotations[0].text = f"<sup>{summary_line(panels[0])}</sup>"
+    return fig

@@ -1,11 +1,16 @@
-"""Medians and bootstrap intervals for side-by-side benchmark ratios."""
+"""What the side-by-side benchmarks share: interleaved timing, medians, bootstrap intervals."""
 
 from __future__ import annotations
 
-import platform
 import random
 import statistics
+import time
+from collections.abc import Callable, Hashable
 from datetime import date
+
+import torch.distributed as dist
+
+from dplab.collectives.bench import machine_info
 
 
 def median_ratio(
@@ -21,20 +26,32 @@ def median_ratio(
     return point, ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
+def interleaved(
+    steps: dict[Hashable, Callable[[], None]], repeats: int, *, warmup: int = 2, seed: int = 0
+) -> dict[Hashable, list[float]]:
+    """Time each config's step ``repeats`` times, all configs mixed in one shuffled order.
+
+    Run on every rank: the order comes from ``seed``, so all ranks agree, and every timed step
+    starts at a barrier. Mixing the configs spreads the machine's drift over all of them.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    order = [key for key in steps for _ in range(repeats)]
+    random.Random(seed).shuffle(order)
+    times: dict[Hashable, list[float]] = {key: [] for key in steps}
+    for key in order:
+        dist.barrier()
+        t0 = time.perf_counter()
+        steps[key]()
+        times[key].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def machine() -> str:
-    """Cores, CPU model and date, for the record in docs/benchmarks.md."""
-    import os
-
-    import torch
-
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cores} cores ({model}), torch {torch.__version__}, {date.today().isoformat()}"
+    """Cores, CPU model, torch and date, for the record in docs/benchmarks.md."""
+    info = machine_info()
+    return (
+        f"{info['usable_cores']} cores ({info['cpu_model']}), torch {info['torch']}, "
+        f"{date.today().isoformat()}"
+    )

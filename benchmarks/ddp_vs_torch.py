@@ -12,17 +12,15 @@ ratio dplab / torch with a 95% bootstrap interval. Goal <= 1.02; it must not exc
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from _stats import machine, median_ratio
+from _stats import interleaved, machine, median_ratio
 from torch import nn
 
 import dplab
@@ -30,8 +28,9 @@ from dplab.models import make_batch, make_model, n_params
 
 
 def race(model: str, caps: list[float], steps: int, batch_size: int) -> dict:
-    rank = dist.get_rank()
-    nets, opts = {}, {}
+    """On every rank: one dplab and one torch model per cap, their steps interleaved."""
+    x, y = make_batch(model, batch_size, seed=dist.get_rank())
+    nets = {}
     for cap in caps:
         nets[("dplab", cap)] = dplab.DDP(
             make_model(model), bucket_cap_mb=cap, first_bucket_cap_mb=cap
@@ -39,26 +38,19 @@ def race(model: str, caps: list[float], steps: int, batch_size: int) -> dict:
         nets[("torch", cap)] = nn.parallel.DistributedDataParallel(
             make_model(model), bucket_cap_mb=cap
         )
-    for key, net in nets.items():
-        opts[key] = torch.optim.SGD(net.parameters(), lr=1e-4)
-    x, y = make_batch(model, batch_size, seed=rank)
 
-    def step(key) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        nets[key](x, y).backward()
-        opts[key].step()
-        opts[key].zero_grad(set_to_none=False)
-        return (time.perf_counter() - t0) * 1e3
+    def step_of(net):
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
 
-    for key in nets:  # warm-up: allocations, and torch's bucket rebuild after its first step
-        for _ in range(2):
-            step(key)
-    order = [key for key in nets for _ in range(steps)]
-    random.Random(0).shuffle(order)  # the same order on both ranks: same seed
-    times: dict = {key: [] for key in nets}
-    for key in order:
-        times[key].append(step(key))
+        def step():
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        return step
+
+    # The warm-up steps also let torch rebuild its buckets after its first iteration.
+    times = interleaved({key: step_of(net) for key, net in nets.items()}, steps)
     buckets = {cap: len(nets[("dplab", cap)].buckets) for cap in caps}
     return {"times": {f"{k[0]}@{k[1]}": v for k, v in times.items()}, "buckets": buckets}
 

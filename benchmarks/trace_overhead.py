@@ -10,56 +10,44 @@ it must not exceed 1.05.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from _stats import machine, median_ratio
+from _stats import interleaved, machine, median_ratio
 
 import dplab
 from dplab.models import make_batch, make_model
 
 
 def race(model: str, caps: list[float], steps: int, batch_size: int) -> dict:
+    """On every rank: a traced and an untraced model per cap, their steps interleaved."""
     x, y = make_batch(model, batch_size, seed=dist.get_rank())
-    runs = {}
-    for cap in caps:
-        for traced in (True, False):
-            tracer = dplab.Tracer() if traced else None
-            net = dplab.DDP(
-                make_model(model), bucket_cap_mb=cap, first_bucket_cap_mb=cap, tracer=tracer
-            )
-            opt = torch.optim.SGD(net.parameters(), lr=1e-4)
-            if tracer:
-                tracer.watch(opt)
-            runs[(cap, traced)] = (net, opt, tracer)
 
-    def step(key) -> float:
-        net, opt, tracer = runs[key]
-        dist.barrier()
-        t0 = time.perf_counter()
-        net(x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        elapsed = (time.perf_counter() - t0) * 1e3
+    def step_of(cap: float, traced: bool):
+        tracer = dplab.Tracer() if traced else None
+        net = dplab.DDP(
+            make_model(model), bucket_cap_mb=cap, first_bucket_cap_mb=cap, tracer=tracer
+        )
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
         if tracer is not None:
-            tracer.steps  # resolving is part of the price, paid outside the step  # noqa: B018
-        return elapsed
+            tracer.watch(opt)
 
-    for key in runs:
-        for _ in range(2):
-            step(key)
-    order = [key for key in runs for _ in range(steps)]
-    random.Random(0).shuffle(order)
-    times = {key: [] for key in runs}
-    for key in order:
-        times[key].append(step(key))
+        def step():
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            if tracer is not None:
+                tracer.steps  # resolving the marks is part of the price  # noqa: B018
+
+        return step
+
+    steps_by_key = {(cap, traced): step_of(cap, traced) for cap in caps for traced in (True, False)}
+    times = interleaved(steps_by_key, steps)
     return {f"{cap}/{'traced' if traced else 'plain'}": v for (cap, traced), v in times.items()}
 
 

@@ -76,10 +76,11 @@ def _run(payload: bytes) -> tuple[str, object]:
 
     sources: dict = {}
     try:
-        path, sources, fn, args, kwargs = cloudpickle.loads(payload)
+        path, sources, call = cloudpickle.loads(payload)
         for entry in path:
             if entry not in sys.path:
                 sys.path.append(entry)
+        fn, args, kwargs = cloudpickle.loads(call)
         result = fn(*args, **kwargs)
     except BaseException:
         return "error", _name_dynamic_frames(traceback.format_exc(), sources)

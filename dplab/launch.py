@@ -171,14 +171,15 @@ def _pickle_call(fn: Callable, args: tuple, kwargs: dict | None) -> bytes:
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
     try:
-        return cloudpickle.dumps(
-            (list(sys.path), _source_map(fn), fn, tuple(args), dict(kwargs or {}))
-        )
+        call = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as e:
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(
             f"cannot send {name} and its arguments to the ranks: they cannot be pickled ({e})"
         ) from e
+    # The call is unpickled only after the rank has this process's sys.path, so functions
+    # from modules found through it (a script's folder, a benchmark's helpers) import there.
+    return cloudpickle.dumps((list(sys.path), _source_map(fn), call))
 
 
 def _describe_exit(code: int | None) -> str:

@@ -257,3 +257,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_function_from_a_module_on_the_callers_path_runs(tmp_path, monkeypatch):
+    (tmp_path / "next_to_the_notebook.py").write_text(
+        "import torch.distributed as dist\n\ndef where():\n    return dist.get_rank() * 10\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import next_to_the_notebook
+
+    assert dplab.launch(next_to_the_notebook.where, 2) == [0, 10]

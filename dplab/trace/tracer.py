@@ -8,12 +8,13 @@ synchronising backward.
 What is recorded (times are marks of the clock, resolved after the step):
 
 - ``forward``: DDP.forward's start and end;
-- ``backward``: from the moment the gradient reaches the module's output to the end of the
-  autograd pass (the engine callback that runs after the last gradient);
+- ``backward``: from the moment the gradient reaches the module's output to the last gradient
+  accumulated into a parameter;
 - ``bucket_ready``: when a bucket's last gradient is in;
 - ``allreduce``: from the collective's own start (its launch, or the moment a backend worker
   became free if it was queued behind earlier buckets) to its completion;
-- ``wait``: the end of backward waiting for the outstanding all-reduces;
+- ``wait``: the end of backward (the autograd engine's final callback) waiting for the
+  outstanding all-reduces;
 - ``optimizer``: ``optimizer.step()`` (through the optimizer's step hooks).
 """
 
@@ -70,6 +71,7 @@ class Tracer:
         self._nbytes: list[int] = []
         self._step = 0
         self._backward_open = False
+        self._last_grad: Any = None
         self.meta: dict[str, Any] = {}
 
     # -- public --------------------------------------------------------------------------------
@@ -152,14 +154,16 @@ class Tracer:
     def _output_grad(self, grad: torch.Tensor) -> None:
         self._open_backward()
 
-    def _open_backward(self) -> None:
+    def _open_backward(self, mark: Any = None) -> None:
         if not self._backward_open:
             self._backward_open = True
-            self._current.backwards.append([self._clock.now(), None])
+            self._current.backwards.append([self._clock.now() if mark is None else mark, None])
 
     def _grad_ready(self, index: int) -> None:
+        mark = self._clock.now()
         if not self._backward_open:
-            self._open_backward()
+            self._open_backward(mark)
+        self._last_grad = mark
 
     def _bucket_ready(self, bucket: int) -> None:
         self._current.ready.append((bucket, self._clock.now()))
@@ -174,7 +178,9 @@ class Tracer:
     def _backward_end(self, *, synced: bool) -> None:
         mark = self._clock.now()
         if self._current.backwards:
-            self._current.backwards[-1][1] = mark
+            # Backward ends with its last gradient; the engine's callback may run a little later
+            # (on a busy machine, much later), and that time belongs to the wait.
+            self._current.backwards[-1][1] = self._last_grad
         self._backward_open = False
         if synced:
             self._current.waits.append([mark, None])

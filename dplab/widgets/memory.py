@@ -19,6 +19,7 @@ from dplab.memory.presets import GPUS, MODELS
 from dplab.memory.recipes import OPTIMIZER_LABELS, PRECISION_LABELS
 from dplab.memory.state import STAGE_LABELS
 from dplab.viz.memory import fit_figure
+from dplab.widgets._common import classed
 
 CUSTOM = "custom"
 _STYLE = {"description_width": "110px"}
@@ -123,6 +124,9 @@ class MemoryWall(w.VBox):
         left = w.VBox(controls[:5])
         right = w.VBox(controls[5:])
         super().__init__([w.HBox([left, right]), self.message, self.verdict, self.figure])
+        classed(self, "dplab-memory-wall")  # stable hooks for the browser tests
+        classed(self.model, "dplab-model")
+        classed(self.verdict, "dplab-verdict")
         self.update()
 
     def _on_change(self, change: dict) -> None:

@@ -17,9 +17,12 @@ $(VENV)/.dplab-installed: pyproject.toml
 	$(PY) -m pip install -e ".[lab,test]"
 	touch $@
 
+# JupyterLab refuses to run as root without --allow-root (a cloud box or container often is root).
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: setup
 	@echo "Starting JupyterLab on 127.0.0.1; open the URL with the token that it prints below."
-	cd notebooks && ../$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --port=$(PORT)
+	cd notebooks && ../$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --port=$(PORT) $(ALLOW_ROOT)
 
 test: setup
 	$(PY) -m pytest tests/ --nbval-lax notebooks/

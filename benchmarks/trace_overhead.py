@@ -4,7 +4,7 @@ Two identical models, one with a Tracer (and the optimizer watched), one without
 interleaved in one shuffled order shared by both ranks, each starting at a barrier. Goal <= 1.03;
 it must not exceed 1.05.
 
-    python benchmarks/trace_overhead.py [--steps 40] [--cap 5]
+    python benchmarks/trace_overhead.py [--steps 40] [--caps 0.5 5 25]
 """
 
 from __future__ import annotations

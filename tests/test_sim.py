@@ -275,6 +275,35 @@ def test_other_bad_profiles_are_clear_errors():
         Contention(alpha_factor=0.5)
 
 
+def test_contention_from_probe_recovers_planted_factors_despite_drift():
+    """Synthetic probe timings from known α, β and slowdowns, on a machine whose speed drifts by
+    20% between repeats (each busy backward is compared with the solo one of its repeat)."""
+    n, small, large = 2, 256 * 1024, 4 * 1024 * 1024
+    alpha, beta = 0.3, 1e-6  # ms per ring step, ms per byte
+
+    def ring(size, a, b):
+        return 2 * (n - 1) * a + 2 * (n - 1) / n * size * b
+
+    def rank(drifts):
+        out = {"world_size": n, "sizes": [small, large]}
+        out["solo_small"] = [ring(small, alpha, beta)] * 3
+        out["solo_large"] = [ring(large, alpha, beta)] * 3
+        out["busy_small"] = [ring(small, 4 * alpha, 1.5 * beta)] * 3
+        out["busy_large"] = [ring(large, 4 * alpha, 1.5 * beta)] * 3
+        # 100 ms of overlap costs backward 25 ms: a share of 0.2 -> slowdown 0.25
+        out["solo_backward"] = [300.0 * d for d in drifts]
+        out["busy_backward"] = [325.0 * d for d in drifts]
+        out["overlap"] = [125.0 * d for d in drifts]
+        return out
+
+    got = Contention.from_probe([rank([1.0, 1.2, 0.8]), rank([1.2, 1.0, 1.0])])
+    assert got.alpha_factor == pytest.approx(4.0)
+    assert got.beta_factor == pytest.approx(1.5)
+    assert got.compute_slowdown == pytest.approx(0.25, rel=0.05)
+    quiet = rank([1.0] * 3) | {"busy_backward": [300.0] * 3}
+    assert Contention.from_probe([quiet]).compute_slowdown == 0.0
+
+
 def test_profile_json_round_trip(tmp_path):
     profile = BackwardProfile(
         "tiny-gpt",

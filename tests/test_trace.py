@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -211,3 +215,45 @@ def test_a_planted_delay_in_the_comm_path_shows_up_as_exposed_time(cluster2):
     base = max(cluster2.run(_exposed_with_delay, 0.0))
     slow = max(cluster2.run(_exposed_with_delay, 0.1))
     assert 70 < slow - base < 150  # 100 ms planted on the last bucket, all of it exposed
+
+
+# -- the trace command line -----------------------------------------------------------------------
+
+
+def _trace_cli_files_are_complete(out) -> None:
+    """What `python -m dplab trace` must leave: every rank, a Chrome trace, an offline page."""
+    steps = load_run(out)
+    assert [s[0].rank for s in steps] == [0, 1]
+    assert all(len(s) == 2 for s in steps)
+    recorded = json.loads((out / "rank0.json").read_text())["meta"]["recorded"]
+    assert recorded["command"].startswith("python -m dplab trace")
+    assert recorded["machine"]["torch"] == torch.__version__
+    chrome = json.loads((out / "trace.json").read_text())
+    assert {e["pid"] for e in chrome["traceEvents"] if e.get("ph") == "X"} == {0, 1}
+    html = (out / "timeline.html").read_text()
+    assert '<script src="http' not in html  # plotly.js is inside, not fetched from a CDN
+    assert "Plotly.newPlot" in html and len(html) > 1_000_000
+
+
+def test_trace_cli_writes_rank_files_chrome_trace_and_an_offline_page(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dplab", "trace", "--world-size", "2", "--bucket-cap-mb", "0.5"]
+    cmd += ["--steps", "2", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 steps on 2 ranks (gloo)" in done.stdout
+    _trace_cli_files_are_complete(out)
+
+
+def test_trace_cli_runs_under_torchrun(tmp_path):
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cmd += ["-m", "dplab", "trace", "--steps", "2", "--out", str(out)]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _trace_cli_files_are_complete(out)

@@ -13,8 +13,8 @@ The probe (:func:`contention_rank`, run on every rank): a helper thread runs bac
 all-reduces of two sizes (256 KiB and 4 MiB, the sizes buckets have) while the main thread
 runs a real backward; the same train runs alone, and the backward runs alone; repeated,
 interleaved, medians. The all-reduces that finished inside backward give the busy α and β
-(two sizes, two unknowns), the train alone the quiet ones, and the longer backward the compute
-slowdown.
+(two sizes, two unknowns), the train alone the quiet ones, and the longer backward (each busy
+backward against the solo one of the same repeat) the compute slowdown.
 """
 
 from __future__ import annotations
@@ -103,14 +103,20 @@ class Contention:
             medians[key] = statistics.median(values)
         for key in ("solo_backward", "busy_backward", "overlap"):
             medians[key] = statistics.median(v for r in results for v in r[key])
+        # Each busy backward ran right next to a solo one (same repeat): their difference is
+        # blind to the machine's drift from minute to minute, which the two medians are not.
+        medians["lost"] = statistics.median(
+            busy - solo
+            for r in results
+            for busy, solo in zip(r["busy_backward"], r["solo_backward"], strict=True)
+        )
         a_solo, b_solo = _alpha_beta(
             small, large, medians["solo_small"], medians["solo_large"], world_size
         )
         a_busy, b_busy = _alpha_beta(
             small, large, medians["busy_small"], medians["busy_large"], world_size
         )
-        lost = medians["busy_backward"] - medians["solo_backward"]
-        share = min(max(lost / max(medians["overlap"], 1e-9), 0.0), 0.9)
+        share = min(max(medians["lost"] / max(medians["overlap"], 1e-9), 0.0), 0.9)
         return cls(
             compute_slowdown=share / (1 - share),
             alpha_factor=max(a_busy / a_solo, 1.0),

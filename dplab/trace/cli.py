@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 
@@ -17,11 +18,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     import dplab
+    from dplab.collectives.bench import machine_info
     from dplab.experiments import measure_ddp, traces
     from dplab.launch import in_torchrun
     from dplab.trace.files import save_run, write_atomic
 
     world_size = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.world_size
+    load_before = [round(x, 2) for x in os.getloadavg()]
     kwargs = {
         "bucket_cap_mb": args.bucket_cap_mb,
         "first_bucket_cap_mb": args.first_bucket_cap_mb,
@@ -36,10 +39,18 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
     steps = traces(results)
+    command = "python -m dplab trace " + " ".join(args.argv)
     meta = {
-        "command": "python -m dplab trace " + " ".join(args.argv),
+        "command": command,
         "model": args.model,
         **kwargs,
+        # A trace kept in assets/ or sent to a colleague must say where and when it was taken.
+        "recorded": {
+            "machine": machine_info(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": command,
+            "load_average_before": load_before,
+        },
     }
     paths = save_run(steps, args.out, meta)
     from dplab.viz.timeline import timeline_figure

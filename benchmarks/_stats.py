@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -55,3 +56,25 @@ def machine() -> str:
         f"{info['usable_cores']} cores ({info['cpu_model']}), torch {info['torch']}, "
         f"{date.today().isoformat()}"
     )
+
+
+def race_setup(doc: str) -> tuple[argparse.Namespace, Callable[[Callable], object]]:
+    """The command line the two-config races share, and a runner for their rank function.
+
+    Returns the parsed arguments and ``run(race)``: rank 0's result of ``race(model, caps, steps,
+    batch_size)`` launched on 2 ranks (rank 0's clock; every timed step began at a barrier).
+    """
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--model", default="gpt-7m")
+    p.add_argument("--caps", type=float, nargs="+", default=[0.5, 5.0, 25.0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=4)
+    args = p.parse_args()
+
+    def run(race: Callable) -> object:
+        import dplab
+
+        call_args = (args.model, args.caps, args.steps, args.batch_size)
+        return dplab.launch(race, 2, args=call_args, timeout_s=3600)[0]
+
+    return args, run

@@ -11,7 +11,6 @@ ratio dplab / torch with a 95% bootstrap interval. Goal <= 1.02; it must not exc
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from _stats import interleaved, machine, median_ratio
+from _stats import interleaved, machine, median_ratio, race_setup
 from torch import nn
 
 import dplab
@@ -56,16 +55,9 @@ def race(model: str, caps: list[float], steps: int, batch_size: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="gpt-7m")
-    p.add_argument("--caps", type=float, nargs="+", default=[0.5, 5.0, 25.0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=4)
-    args = p.parse_args()
-    out = dplab.launch(
-        race, 2, args=(args.model, args.caps, args.steps, args.batch_size), timeout_s=3600
-    )
-    times = out[0]["times"]  # rank 0's clock; every step began at a barrier on both ranks
+    args, run = race_setup(__doc__)
+    out = run(race)
+    times = out["times"]
     print(
         f"machine: {machine()}; model {args.model} ({n_params(make_model(args.model)) / 1e6:.1f} M "
         f"params), local batch {args.batch_size}, {args.steps} steps per config, 2 gloo ranks"
@@ -76,7 +68,7 @@ def main() -> None:
         ours, theirs = times[f"dplab@{cap}"], times[f"torch@{cap}"]
         ratio, lo, hi = median_ratio(ours, theirs)
         print(
-            f"| {cap:g} MiB | {out[0]['buckets'][cap]} | {statistics.median(ours):.1f} ms | "
+            f"| {cap:g} MiB | {out['buckets'][cap]} | {statistics.median(ours):.1f} ms | "
             f"{statistics.median(theirs):.1f} ms | {ratio:.3f} ({lo:.3f}–{hi:.3f}) |"
         )
     all_ours = [t for cap in args.caps for t in times[f"dplab@{cap}"]]

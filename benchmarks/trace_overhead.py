@@ -9,7 +9,6 @@ it must not exceed 1.05.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from _stats import interleaved, machine, median_ratio
+from _stats import interleaved, machine, median_ratio, race_setup
 
 import dplab
 from dplab.models import make_batch, make_model
@@ -52,15 +51,8 @@ def race(model: str, caps: list[float], steps: int, batch_size: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="gpt-7m")
-    p.add_argument("--caps", type=float, nargs="+", default=[0.5, 5.0, 25.0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=4)
-    args = p.parse_args()
-    times = dplab.launch(
-        race, 2, args=(args.model, args.caps, args.steps, args.batch_size), timeout_s=3600
-    )[0]
+    args, run = race_setup(__doc__)
+    times = run(race)
     print(
         f"machine: {machine()}; model {args.model}, local batch {args.batch_size}, "
         f"{args.steps} steps per config, 2 gloo ranks"

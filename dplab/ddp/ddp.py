@@ -54,7 +54,7 @@ class DDP(nn.Module):
             forward, as torch does.
     """
 
-    # Teaching variants override these two (see NaiveDDP and PerParameterDDP below).
+    # Teaching variants override this flag, _plan and _launch (NaiveDDP, PerParameterDDP below).
     launch_when_ready = True
 
     def __init__(

@@ -72,6 +72,7 @@ class Tracer:
         self._step = 0
         self._backward_open = False
         self._last_grad: Any = None
+        self._launch_mark: Any = None
         self.meta: dict[str, Any] = {}
 
     # -- public --------------------------------------------------------------------------------

@@ -139,7 +139,8 @@ busbw = algbw·2(N-1)/N).
 
 Machine: {m["usable_cores"]} cores ({m["cpu_model"]}), torch {m["torch"]}, {report["date"]};
 load average {report["load_average_before"]} before, {report["load_average_after"]} after
-(other work shared the cores: small sizes are noisy).{crowd_note} Raw rows, every repeat and
+(the ranks themselves load both cores; the 1-minute figure before still holds the tail of
+earlier work). Small sizes are the noisiest.{crowd_note} Raw rows, every repeat and
 the fits: `assets/gloo_loopback_bandwidth.json`.
 
 {chr(10).join(lines)}

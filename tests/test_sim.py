@@ -302,6 +302,14 @@ def test_contention_from_probe_recovers_planted_factors_despite_drift():
     assert got.compute_slowdown == pytest.approx(0.25, rel=0.05)
     quiet = rank([1.0] * 3) | {"busy_backward": [300.0] * 3}
     assert Contention.from_probe([quiet]).compute_slowdown == 0.0
+    # A backward too short for any large all-reduce to finish inside it: one factor for both.
+    short = rank([1.0] * 3) | {"busy_large": []}
+    got = Contention.from_probe([short, short])
+    ratio = ring(small, 4 * alpha, 1.5 * beta) / ring(small, alpha, beta)
+    assert got.alpha_factor == got.beta_factor == pytest.approx(ratio)
+    assert got.probe["busy_sizes_seen"] == ["small"]
+    nothing = short | {"busy_small": []}
+    assert Contention.from_probe([nothing]).alpha_factor == 1.0
 
 
 def test_profile_json_round_trip(tmp_path):

@@ -13,7 +13,8 @@ The probe (:func:`contention_rank`, run on every rank): a helper thread runs bac
 all-reduces of two sizes (256 KiB and 4 MiB, the sizes buckets have) while the main thread
 runs a real backward; the same train runs alone, and the backward runs alone; repeated,
 interleaved, medians. The all-reduces that finished inside backward give the busy α and β
-(two sizes, two unknowns), the train alone the quiet ones, and the longer backward (each busy
+(two sizes, two unknowns; when a short backward lets only one size finish inside it, one
+factor for both), the train alone the quiet ones, and the longer backward (each busy
 backward against the solo one of the same repeat) the compute slowdown.
 """
 
@@ -95,12 +96,10 @@ class Contention:
         medians: dict[str, float] = {}
         for key in ("solo_small", "solo_large", "busy_small", "busy_large"):
             values = [v for r in results for v in r[key]]
-            if not values:
-                raise ValueError(
-                    f"the contention probe got no {key.replace('_', ' ')} all-reduces "
-                    "(the train ended after backward on every try)"
-                )
-            medians[key] = statistics.median(values)
+            if values:
+                medians[key] = statistics.median(values)
+            elif key.startswith("solo"):
+                raise ValueError(f"the contention probe got no {key.replace('_', ' ')} all-reduces")
         for key in ("solo_backward", "busy_backward", "overlap"):
             medians[key] = statistics.median(v for r in results for v in r[key])
         # Each busy backward ran right next to a solo one (same repeat): their difference is
@@ -110,18 +109,33 @@ class Contention:
             for r in results
             for busy, solo in zip(r["busy_backward"], r["solo_backward"], strict=True)
         )
-        a_solo, b_solo = _alpha_beta(
-            small, large, medians["solo_small"], medians["solo_large"], world_size
-        )
-        a_busy, b_busy = _alpha_beta(
-            small, large, medians["busy_small"], medians["busy_large"], world_size
-        )
         share = min(max(medians["lost"] / max(medians["overlap"], 1e-9), 0.0), 0.9)
+        busy_sizes = [n for n in ("small", "large") if f"busy_{n}" in medians]
+        if len(busy_sizes) == 2:
+            a_solo, b_solo = _alpha_beta(
+                small, large, medians["solo_small"], medians["solo_large"], world_size
+            )
+            a_busy, b_busy = _alpha_beta(
+                small, large, medians["busy_small"], medians["busy_large"], world_size
+            )
+            alpha_factor, beta_factor = a_busy / a_solo, b_busy / b_solo
+        elif busy_sizes:
+            # A short backward can end before any large all-reduce does: one size cannot
+            # separate α from β, so both take that size's slowdown.
+            n = busy_sizes[0]
+            alpha_factor = beta_factor = medians[f"busy_{n}"] / medians[f"solo_{n}"]
+        else:
+            alpha_factor = beta_factor = 1.0  # nothing finished inside backward to compare
         return cls(
             compute_slowdown=share / (1 - share),
-            alpha_factor=max(a_busy / a_solo, 1.0),
-            beta_factor=max(b_busy / b_solo, 1.0),
-            probe={"sizes": [small, large], "world_size": world_size, "medians_ms": medians},
+            alpha_factor=max(alpha_factor, 1.0),
+            beta_factor=max(beta_factor, 1.0),
+            probe={
+                "sizes": [small, large],
+                "world_size": world_size,
+                "medians_ms": medians,
+                "busy_sizes_seen": busy_sizes,
+            },
         )
 
 

@@ -80,37 +80,24 @@ def bandwidth_figure(
             f"busbw {r.busbw_GBps:.3f} GB/s"
             for r in group
         ]
-        fig.add_trace(
-            go.Scatter(
-                x=sizes,
-                y=[r.time_s for r in group],
-                mode="markers+lines",
-                name=name,
-                legendgroup=name,
-                line={"color": color, "dash": dash, "width": 1},
-                marker={"size": 7},
-                hovertext=hover,
-                hoverinfo="text",
-            ),
-            row=1,
-            col=1,
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=sizes,
-                y=[r.busbw_GBps for r in group],
-                mode="markers+lines",
-                name=name,
-                legendgroup=name,
-                showlegend=False,
-                line={"color": color, "dash": dash, "width": 1},
-                marker={"size": 7},
-                hovertext=hover,
-                hoverinfo="text",
-            ),
-            row=1,
-            col=2,
-        )
+        # The same rows twice: time on the left, bus bandwidth on the right.
+        for col, y in ((1, [r.time_s for r in group]), (2, [r.busbw_GBps for r in group])):
+            fig.add_trace(
+                go.Scatter(
+                    x=sizes,
+                    y=y,
+                    mode="markers+lines",
+                    name=name,
+                    legendgroup=name,
+                    showlegend=col == 1,
+                    line={"color": color, "dash": dash, "width": 1},
+                    marker={"size": 7},
+                    hovertext=hover,
+                    hoverinfo="text",
+                ),
+                row=1,
+                col=col,
+            )
         fit = (fits or {}).get((algorithm, n))
         if fit is not None:
             fig.add_trace(

@@ -145,35 +145,12 @@ class OverlapExplorer(w.VBox):
         self.latency_box = classed(
             w.FloatText(description="latency µs/step", style=_STYLE), "dplab-latency"
         )
-        self.world_size_slider = classed(
-            w.SelectionSlider(
-                options=[(f"{n:,}", n) for n in WORLD_SIZES],
-                value=world_size,
-                description="world size",
-                style=_STYLE,
-                layout=w.Layout(width="460px"),
-            ),
-            "dplab-world-size",
+        self.world_size_slider = _slider(
+            [(f"{n:,}", n) for n in WORLD_SIZES], world_size, "world size", "dplab-world-size"
         )
-        self.cap_slider = classed(
-            w.SelectionSlider(
-                options=cap_options(cap),
-                value=cap,
-                description="bucket cap",
-                style=_STYLE,
-                layout=w.Layout(width="460px"),
-            ),
-            "dplab-bucket-cap",
-        )
-        self.speedup_slider = classed(
-            w.SelectionSlider(
-                options=[(f"{k:g}×", k) for k in SPEEDUPS],
-                value=compute_speedup,
-                description="compute speed-up",
-                style=_STYLE,
-                layout=w.Layout(width="460px"),
-            ),
-            "dplab-speedup",
+        self.cap_slider = _slider(cap_options(cap), cap, "bucket cap", "dplab-bucket-cap")
+        self.speedup_slider = _slider(
+            [(f"{k:g}×", k) for k in SPEEDUPS], compute_speedup, "compute speed-up", "dplab-speedup"
         )
         self.contention_box = classed(
             w.Checkbox(
@@ -356,3 +333,17 @@ class OverlapExplorer(w.VBox):
             f"Best cap here: {best:g} MiB. {cross}</div>"
         )
         return trace
+
+
+def _slider(options: list, value: object, description: str, css_class: str) -> w.SelectionSlider:
+    """One of the explorer's stepped sliders (a fixed set of stops, all the same width)."""
+    return classed(
+        w.SelectionSlider(
+            options=options,
+            value=value,
+            description=description,
+            style=_STYLE,
+            layout=w.Layout(width="460px"),
+        ),
+        css_class,
+    )

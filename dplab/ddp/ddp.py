@@ -34,6 +34,7 @@ from torch import nn
 
 from dplab._nested import tensors_in
 from dplab.ddp.buckets import Bucket, bucket_plan, check_cap_mb
+from dplab.trace.observer import NullObserver, StepObserver
 
 
 class DDP(nn.Module):
@@ -110,8 +111,8 @@ class DDP(nn.Module):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
         self.tracer = tracer
-        if tracer is not None:
-            tracer._attach(self)
+        self._observer: StepObserver = tracer if tracer is not None else NullObserver()
+        self._observer.attach(self)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -206,8 +207,7 @@ class DDP(nn.Module):
         if (order < 0).any():
             return  # rank 0 did not see every gradient: keep the buckets we have
         self._build_buckets(order=order.cpu().tolist(), in_given_order=True)
-        if self.tracer is not None:
-            self.tracer._buckets_changed(self)
+        self._observer.buckets_changed(self)
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -219,16 +219,14 @@ class DDP(nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 self._broadcast_from_rank0(buffers)
-        tracer = self.tracer if torch.is_grad_enabled() else None
-        if tracer is not None:
-            tracer._forward_start()
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        self._observer.forward_start()
         out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
-            self._sync_this_backward = self._sync
-            if self.find_unused_parameters and self._sync:
-                self._unused_this_backward = self._unreachable_params(out)
-            if tracer is not None:
-                tracer._forward_end(out)
+        self._sync_this_backward = self._sync
+        if self.find_unused_parameters and self._sync:
+            self._unused_this_backward = self._unreachable_params(out)
+        self._observer.forward_end(out)
         return out
 
     def _unreachable_params(self, out: Any) -> list[int]:
@@ -278,8 +276,7 @@ class DDP(nn.Module):
         if param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)  # first backward after zero_grad(set_to_none=True)
             param.grad = view
-        if self.tracer is not None:
-            self.tracer._grad_ready(i)
+        self._observer.grad_ready(i)
         if self.find_unused_parameters:
             self._used_since_sync.add(i)
         if not self._callback_queued:
@@ -315,8 +312,7 @@ class DDP(nn.Module):
         b = self._bucket_of[i]
         self._pending[b] -= 1
         if self._pending[b] == 0:
-            if self.tracer is not None:
-                self.tracer._bucket_ready(b)
+            self._observer.bucket_ready(b)
             if self.launch_when_ready:
                 self._launch_ready_buckets()
 
@@ -329,17 +325,14 @@ class DDP(nn.Module):
     def _launch(self, b: int) -> None:
         buffer = self.bucket_buffers[b]
         buffer.div_(self.world_size)  # sum of (g_i / N) over ranks = the average
-        if self.tracer is not None:
-            self.tracer._before_allreduce(b)
+        self._observer.allreduce_start(b)
         work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         self._works.append(work)
-        if self.tracer is not None:
-            self.tracer._allreduce_launched(b, work)
+        self._observer.allreduce_launched(b, work, buffer.numel() * buffer.element_size())
 
     def _end_of_backward(self) -> None:
         """Engine callback: every gradient is in. Launch what is left, wait, and reset."""
-        if self.tracer is not None:
-            self.tracer._backward_end(synced=self._sync_this_backward)
+        self._observer.backward_end(synced=self._sync_this_backward)
         if not self._sync_this_backward:
             self._reset_backward_state()
             return
@@ -362,8 +355,7 @@ class DDP(nn.Module):
             self._unused_this_backward = []
             self._reset_backward_state()
         self._synced_once = True
-        if self.tracer is not None:
-            self.tracer._wait_end()
+        self._observer.wait_end()
 
     def _share_unused(self) -> None:
         """A parameter no rank used keeps ``.grad = None`` (as in torch, so optimizers skip it);

@@ -68,7 +68,6 @@ class Tracer:
         self._lanes = 1
         self._info: dict[str, Any] = {}
         self._buckets: list[dict[str, Any]] = []
-        self._nbytes: list[int] = []
         self._step = 0
         self._backward_open = False
         self._last_grad: Any = None
@@ -99,9 +98,9 @@ class Tracer:
         optimizer.register_step_post_hook(lambda *_: self._optimizer_end())
         return optimizer
 
-    # -- called by dplab.DDP -------------------------------------------------------------------
+    # -- the StepObserver calls, made by dplab.DDP ---------------------------------------------
 
-    def _attach(self, ddp: Any) -> None:
+    def attach(self, ddp: Any) -> None:
         group = ddp.process_group
         backend = dist.get_backend(group)
         device = ddp.bucket_buffers[0].device
@@ -114,7 +113,7 @@ class Tracer:
             "device": str(device),
             "clock": self._clock.kind,
         }
-        self._buckets_changed(ddp)
+        self.buckets_changed(ddp)
         self._align(group)
 
     def _align(self, group: Any) -> None:
@@ -133,11 +132,10 @@ class Tracer:
             if len({host for host, _ in readings}) == 1:
                 self._origin = readings[0][1]
 
-    def _buckets_changed(self, ddp: Any) -> None:
+    def buckets_changed(self, ddp: Any) -> None:
         self._buckets = [b.to_dict() for b in ddp.buckets]
-        self._nbytes = [b.nbytes for b in ddp.buckets]
 
-    def _forward_start(self) -> None:
+    def forward_start(self) -> None:
         if self._current is not None and self._current.synced:
             self._close()
         mark = self._clock.now()
@@ -145,7 +143,7 @@ class Tracer:
             self._current = _RawStep(start=mark, buckets=self._buckets)
         self._current.forwards.append([mark, None])
 
-    def _forward_end(self, out: Any) -> None:
+    def forward_end(self, out: Any) -> None:
         self._current.forwards[-1][1] = self._clock.now()
         self._backward_open = False
         hooked = _first_grad_tensor(out)
@@ -160,23 +158,23 @@ class Tracer:
             self._backward_open = True
             self._current.backwards.append([self._clock.now() if mark is None else mark, None])
 
-    def _grad_ready(self, index: int) -> None:
+    def grad_ready(self, index: int) -> None:
         mark = self._clock.now()
         if not self._backward_open:
             self._open_backward(mark)
         self._last_grad = mark
 
-    def _bucket_ready(self, bucket: int) -> None:
+    def bucket_ready(self, bucket: int) -> None:
         self._current.ready.append((bucket, self._clock.now()))
 
-    def _before_allreduce(self, bucket: int) -> None:
+    def allreduce_start(self, bucket: int) -> None:
         self._launch_mark = self._clock.now()
 
-    def _allreduce_launched(self, bucket: int, work: Any) -> None:
+    def allreduce_launched(self, bucket: int, work: Any, nbytes: int) -> None:
         end = self._clock.completion(work)
-        self._current.comms.append(_Comm(bucket, self._nbytes[bucket], self._launch_mark, end))
+        self._current.comms.append(_Comm(bucket, nbytes, self._launch_mark, end))
 
-    def _backward_end(self, *, synced: bool) -> None:
+    def backward_end(self, *, synced: bool) -> None:
         mark = self._clock.now()
         if self._current.backwards:
             # Backward ends with its last gradient; the engine's callback may run a little later
@@ -186,7 +184,7 @@ class Tracer:
         if synced:
             self._current.waits.append([mark, None])
 
-    def _wait_end(self) -> None:
+    def wait_end(self) -> None:
         self._current.waits[-1][1] = self._clock.now()
         self._current.synced = True
 

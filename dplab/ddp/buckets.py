@@ -15,30 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
 MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One all-reduce's worth of gradients.
-
-    ``param_names`` are as ``module.named_parameters()`` names them, in the order their
-    gradients sit in the bucket's flat buffer (the reverse of registration order).
-    """
-
-    index: int
-    param_names: tuple[str, ...]
-    numel: int
-    nbytes: int
-    dtype: Any
-    device: Any = "cpu"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "param_names": list(self.param_names), "nbytes": self.nbytes}
 
 
 def check_cap_mb(name: str, value: Any) -> float:

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dplab._nested import tensors_in
-from dplab.ddp.buckets import Bucket, bucket_plan, check_cap_mb
+from dplab.ddp.buckets import bucket_plan, check_cap_mb
+from dplab.trace.bucket import Bucket
 from dplab.trace.observer import NullObserver, StepObserver
 
 

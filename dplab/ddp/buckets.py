@@ -19,6 +19,19 @@ from numbers import Real
 from typing import Any
 
 MIB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25.0  # torch's bucket_cap_mb default
+DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's _DEFAULT_FIRST_BUCKET_BYTES, in MiB
+
+
+def first_bucket_cap(bucket_cap_mb: float, first_bucket_cap_mb: float | None = None) -> float:
+    """The first bucket's cap for a given cap: the one rule every caller of DDP shares.
+
+    Unless chosen, the first bucket is torch's 1 MiB, or the cap itself when that is smaller
+    (a bucket cap of 0.5 MiB should not give a first bucket twice its size).
+    """
+    if first_bucket_cap_mb is not None:
+        return check_cap_mb("first_bucket_cap_mb", first_bucket_cap_mb)
+    return min(check_cap_mb("bucket_cap_mb", bucket_cap_mb), DEFAULT_FIRST_BUCKET_CAP_MB)
 
 
 def check_cap_mb(name: str, value: Any) -> float:

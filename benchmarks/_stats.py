@@ -11,7 +11,7 @@ from datetime import date
 
 import torch.distributed as dist
 
-from dplab.collectives.bench import machine_info
+from dplab.env import machine_info
 
 
 def median_ratio(

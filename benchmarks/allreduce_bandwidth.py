@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import median_ratio
 
 import dplab
+from dplab._units import MIB, format_size
 from dplab.collectives import (
     ALGORITHMS,
     BandwidthRow,
@@ -41,11 +42,9 @@ from dplab.collectives import (
     fit_rows,
     geometric_sizes,
 )
-from dplab.collectives.bench import format_size
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## All-reduce bandwidth (gloo, loopback)"
-MIB = 1024 * 1024
 
 
 def merge_rounds(rounds: list[list[BandwidthRow]]) -> list[BandwidthRow]:

@@ -5,7 +5,7 @@
    64 KiB..32 MiB) and the model's :class:`dplab.sim.BackwardProfile` with its measured
    contention. A first part of the calibration runs before anything else; from it
    :func:`dplab.sim.best_bucket_cap` recommends a cap, *before* any DDP step is measured.
-2. Measure with ``dplab.experiments.measure_ddp``: every distinct bucket plan of the sweep caps
+2. Measure with ``dplab.ddp.measure_ddp``: every distinct bucket plan of the sweep caps
    and of the recommended cap (caps with the same plan are the same DDP configuration, measured
    once and reported for each), in rounds with a rotating order. Each round also takes one
    more chunk of calibration, so the final profile and link saw the machine in the same moods
@@ -42,8 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import dplab
-from dplab.collectives import fit_alpha_beta, machine_info, measure_bandwidth
-from dplab.experiments import measure_ddp, traces
+from dplab._units import KIB, MIB
+from dplab.collectives import fit_alpha_beta, measure_bandwidth
+from dplab.ddp import measure_ddp
+from dplab.env import machine_info
 from dplab.sim import (
     PRESETS,
     BackwardProfile,
@@ -60,7 +62,6 @@ from dplab.sim import (
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Simulator vs measured"
 CAPS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
-KIB, MIB = 1024, 1024 * 1024
 FOREIGN_LIMIT = 0.15  # cores used by processes outside this benchmark
 
 
@@ -157,7 +158,7 @@ class Session:
         else:
             key, cap = item
             rows = self.samples.setdefault(key, [])
-            for t in (t for rank_steps in traces(out) for t in rank_steps):
+            for t in (t for rank_steps in out for t in rank_steps):
                 m = t.metrics
                 rows.append(
                     {
@@ -306,7 +307,7 @@ def docs_section(result: dict[str, Any]) -> str:
     blocks = [
         SECTION,
         _para(
-            f"""`dplab.sim.simulate` against `dplab.experiments.measure_ddp` on 2 gloo ranks,
+            f"""`dplab.sim.simulate` against `dplab.ddp.measure_ddp` on 2 gloo ranks,
             model **{r["model"]}**: its {prof["total_mib"]:.1f} MiB of gradients in
             {prof["n_tensors"]} tensors give a different bucket plan at most caps of the sweep,
             {first["n_buckets"]} buckets at {first["cap_mb"]:g} MiB down to

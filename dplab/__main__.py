@@ -1,104 +1,10 @@
-"""``python -m dplab …``: the command line of the course.
+"""``python -m dplab VERB``: see :mod:`dplab.cli` (one module per verb)."""
 
-``check`` lives here; every other verb lives beside its idea (``dplab.memory``, ``dplab.sim``, …)
-as an ``add_cli(subparsers)`` function, found by :func:`_load_verbs`.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
-from collections.abc import Callable, Sequence
 
+from dplab.cli import main
 
-def _check_allreduce() -> float:
-    import torch
-    import torch.distributed as dist
-
-    import dplab
-
-    t = torch.tensor([float(dist.get_rank() + 1)], device=dplab.device())
-    dist.all_reduce(t)
-    return t.item()
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    """Print what this machine offers and prove that ranks can all-reduce."""
-    import platform
-
-    import torch
-    import torch.distributed as dist
-
-    import dplab
-    from dplab.launch import gpu_count, resolve_backend
-
-    print(
-        f"dplab {dplab.__version__}, torch {torch.__version__}, Python {platform.python_version()}"
-    )
-    backends = [
-        n
-        for n, ok in [
-            ("gloo", dist.is_gloo_available()),
-            ("nccl", dist.is_nccl_available()),
-            ("mpi", dist.is_mpi_available()),
-        ]
-        if ok
-    ]
-    print(f"torch.distributed backends: {', '.join(backends) or 'none'}")
-    gpus = gpu_count()
-    names = [torch.cuda.get_device_name(i) for i in range(gpus)]
-    print(f"GPUs: {gpus}" + (f" ({', '.join(names)})" if names else ""))
-    backend = resolve_backend(args.backend, args.world_size)
-    print(f"running a {args.world_size}-rank all-reduce on {backend} ...", flush=True)
-    try:
-        out = dplab.launch(_check_allreduce, args.world_size, backend=backend, timeout_s=120)
-    except Exception as e:
-        print(f"FAILED: {e}", file=sys.stderr)
-        return 1
-    expected = args.world_size * (args.world_size + 1) / 2
-    if any(s != expected for s in out):
-        print(f"FAILED: all-reduce gave {out}, expected {expected} on every rank", file=sys.stderr)
-        return 1
-    print(f"ok: every rank holds {expected:g} = 1 + … + {args.world_size}")
-    return 0
-
-
-def _add_check(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="environment check and a real all-reduce")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.set_defaults(func=cmd_check)
-
-
-VERBS: list[Callable[[argparse._SubParsersAction], None]] = [_add_check]
-
-
-def _load_verbs() -> None:
-    """Collect the ``add_cli`` of each module that has one."""
-    import importlib
-
-    for module in ("dplab.memory", "dplab.collectives", "dplab.trace", "dplab.sim", "dplab.html"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        add = getattr(mod, "add_cli", None)
-        if add is not None and add not in VERBS:
-            VERBS.append(add)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dplab", description=__doc__)
-    sub = parser.add_subparsers(dest="verb", required=True)
-    _load_verbs()
-    for add in VERBS:
-        add(sub)
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[2:] if argv is None else argv[1:])
-    return int(args.func(args) or 0)
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
     sys.exit(main())

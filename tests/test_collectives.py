@@ -503,7 +503,7 @@ def test_bench_refuses_bad_sizes(ranks):
 
 
 def test_cli_measures_fits_and_saves(tmp_path, capsys):
-    from dplab.__main__ import main
+    from dplab.cli import main
 
     out, page = tmp_path / "bw.json", tmp_path / "bw.html"
     argv = ["bandwidth", "--world-size", "2", "--max-size-mb", str(16 / 1024)]
@@ -518,7 +518,7 @@ def test_cli_measures_fits_and_saves(tmp_path, capsys):
 
 
 def test_cli_refuses_bad_sizes_and_world_size(capsys):
-    from dplab.__main__ import main
+    from dplab.cli import main
 
     assert main(["bandwidth", "--world-size", "1"]) == 2
     assert "world_size must be an int >= 2, got 1" in capsys.readouterr().err

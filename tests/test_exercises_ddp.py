@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dplab.exercises.checks import FAILED, NOT_ATTEMPTED, PASSED
-from dplab.exercises_ddp import (
+from dplab.exercises.ddp import (
     case_from_trace,
     cases,
     check_exposed_buckets,

@@ -12,7 +12,7 @@ import dplab
 from dplab.memory import (
     GB,
     GPUS,
-    MODELS,
+    LLM_SHAPES,
     bytes_per_param,
     fits,
     gpt_activation_bytes,
@@ -21,7 +21,7 @@ from dplab.memory import (
     model_state_bytes,
     state_bytes,
 )
-from dplab.memory.gpt import TinyGPT, lm_loss, random_batch
+from dplab.memory.gpt import lm_loss, measured_gpt, random_batch
 from dplab.memory.measure import (
     block_saved_bytes,
     layernorm_stats_bytes,
@@ -153,7 +153,7 @@ PUBLISHED_COUNTS = {
 
 @pytest.mark.parametrize(("key", "count"), PUBLISHED_COUNTS.items())
 def test_preset_counts_match_the_published_counts(key, count):
-    assert MODELS[key].n_params == count
+    assert LLM_SHAPES[key].n_params == count
 
 
 @pytest.mark.parametrize(
@@ -169,7 +169,7 @@ def test_preset_counts_match_the_published_counts(key, count):
     ],
 )
 def test_preset_counts_round_to_their_names(key, rounded):
-    n = MODELS[key].n_params
+    n = LLM_SHAPES[key].n_params
     text = f"{n / 1e6:.0f}M" if n < 1e9 else f"{n / 1e9:#.3g}".rstrip(".") + "B"
     assert text == rounded
 
@@ -230,7 +230,7 @@ def test_measured_block_activations_in_fp32_use_4_byte_elements():
 
 def test_accumulation_lowers_activation_memory_and_keeps_the_gradient():
     torch.manual_seed(0)
-    model = TinyGPT(p_drop=0.0)
+    model = measured_gpt(p_drop=0.0)
     big = model_saved_bytes(model, 8, 32).nbytes
     small = model_saved_bytes(model, 2, 32).nbytes
     assert big / small == pytest.approx(4, rel=0.01)
@@ -260,7 +260,7 @@ def test_measured_mixed_precision_adamw_holds_16_bytes_per_param():
 
 @pytest.mark.parametrize(("recipe", "total"), EXPECTED_BYTES_PER_PARAM.items())
 def test_every_recipe_measures_its_table_value(recipe, total):
-    m = measure_recipe(*recipe, model_kwargs={"layers": 2})
+    m = measure_recipe(*recipe, model_kwargs={"n_layers": 2})
     assert m.bytes_per_param == pytest.approx(total, rel=0.01)
     assert m.bytes_per_param == pytest.approx(bytes_per_param(*recipe).total, rel=0.01)
 
@@ -275,8 +275,8 @@ def test_unique_storages_count_views_once():
 def test_mixed_precision_optimizer_matches_torch(optimizer):
     """On fp32 parameters the master copy is exact: the update must be torch's, step for step."""
     torch.manual_seed(0)
-    a = TinyGPT(layers=1, p_drop=0.0)
-    b = TinyGPT(layers=1, p_drop=0.0)
+    a = measured_gpt(n_layers=1, p_drop=0.0)
+    b = measured_gpt(n_layers=1, p_drop=0.0)
     b.load_state_dict(a.state_dict())
     ours = MixedPrecisionOptimizer(a.parameters(), optimizer=optimizer, lr=1e-2)
     if optimizer == "adam":
@@ -295,7 +295,7 @@ def test_mixed_precision_optimizer_matches_torch(optimizer):
 
 def test_fp32_grad_accumulation_keeps_main_grads_and_20_bytes():
     torch.manual_seed(0)
-    model, opt = make_recipe(TinyGPT(layers=1), "mixed_fp32_grads", "adam")
+    model, opt = make_recipe(measured_gpt(n_layers=1), "mixed_fp32_grads", "adam")
     assert opt.main_grads is not None and opt.main_grads[0].dtype == torch.float32
     with pytest.raises(ValueError, match="grad_accum_dtype"):
         MixedPrecisionOptimizer(model.parameters(), grad_accum_dtype=torch.float16)
@@ -316,7 +316,7 @@ def test_fits_verdict_for_the_seed_example():
 def test_fits_llama2_7b_with_zero3_over_8():
     fit = fits("llama2-7b", "h100-80gb", zero_stage=3, world_size=8)
     assert fit.fits
-    assert fit.state.total == math.ceil(MODELS["llama2-7b"].n_params / 8) * 16
+    assert fit.state.total == math.ceil(LLM_SHAPES["llama2-7b"].n_params / 8) * 16
     assert "With ZeRO-3 over 8 ranks" in fit.reason and "fits" in fit.reason
 
 
@@ -367,7 +367,7 @@ def test_fits_refuses_bad_values():
 
 
 def test_cli_memory(capsys):
-    from dplab.__main__ import main
+    from dplab.cli import main
 
     assert main(["memory", "--model", "llama2-7b", "--gpu", "h100-80gb"]) == 0
     out = capsys.readouterr().out

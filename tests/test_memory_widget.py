@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dplab.memory import GB, MODELS, fits
+from dplab.memory import GB, LLM_SHAPES, fits
 from dplab.viz.memory import fit_figure, memory_bars, memory_vs_world_size
 from dplab.widgets.memory import CUSTOM, MemoryWall
 
@@ -37,7 +37,7 @@ def test_custom_parameter_count_gives_the_seed_sentence():
     assert not wall.n_params.disabled
     wall.model.value = "gpt2-124m"
     assert wall.n_params.disabled
-    assert wall.fit.n_params == MODELS["gpt2-124m"].n_params
+    assert wall.fit.n_params == LLM_SHAPES["gpt2-124m"].n_params
 
 
 def test_zero3_over_enough_ranks_fits_and_the_figure_follows():

@@ -13,8 +13,8 @@ import re
 import pytest
 
 import dplab
-from dplab.__main__ import main
-from dplab.experiments import measure_ddp, traces
+from dplab.cli import main
+from dplab.ddp import measure_ddp
 from dplab.models import make_model
 from dplab.sim import (
     PRESETS,
@@ -363,9 +363,7 @@ def test_profile_from_real_ranks_is_one_plausible_entry_per_trainable_parameter(
 
 def test_simulated_buckets_and_spans_match_a_measured_dplab_ddp_step(cluster2, real_profile):
     for cap in (0.1, 1.0, 25.0):
-        measured = traces(
-            cluster2.run(measure_ddp, "tiny-gpt", bucket_cap_mb=cap, steps=1, warmup=0)
-        )[0][0]
+        measured = cluster2.run(measure_ddp, "tiny-gpt", bucket_cap_mb=cap, steps=1, warmup=0)[0][0]
         simulated = simulate(
             real_profile, bucket_cap_mb=cap, first_bucket_cap_mb=1.0, world_size=2, link=FAST
         )

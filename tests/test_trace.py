@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dplab
-from dplab.experiments import measure_ddp, traces
+from dplab.ddp import measure_ddp
 from dplab.models import make_batch, make_model
 from dplab.trace import Span, StepTrace, chrome_trace, load_rank, load_run, save_run
 from dplab.trace.clocks import queue_starts
@@ -63,7 +63,7 @@ def test_queue_starts_counts_only_the_collectives_own_time():
 
 @pytest.fixture(scope="module")
 def measured(cluster2) -> list[list[StepTrace]]:
-    return traces(cluster2.run(measure_ddp, "tiny-gpt", bucket_cap_mb=0.25, steps=3, warmup=1))
+    return cluster2.run(measure_ddp, "tiny-gpt", bucket_cap_mb=0.25, steps=3, warmup=1)
 
 
 def test_one_allreduce_per_bucket_per_step_never_before_ready(measured):
@@ -154,12 +154,12 @@ def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
     assert [p.name for p in tmp_path.iterdir()] == ["rank0.json"]
 
 
-def _micro_batches() -> list[dict]:
+def _micro_batches() -> list:
     return measure_ddp("tiny-gpt", bucket_cap_mb=0.25, steps=2, warmup=0, micro_batches=3)
 
 
 def test_no_sync_micro_batches_fold_into_one_step(cluster2):
-    for rank_steps in traces(cluster2.run(_micro_batches)):
+    for rank_steps in cluster2.run(_micro_batches):
         assert len(rank_steps) == 2
         for step in rank_steps:
             assert len(step.of("forward")) == 3 and len(step.of("backward")) == 3

@@ -9,14 +9,14 @@ import math
 import plotly.graph_objects as go
 import pytest
 
+from dplab.ddp import measure_ddp
 from dplab.ddp.buckets import bucket_plan
-from dplab.experiments import measure_ddp, traces
-from dplab.models import make_model
+from dplab.models import make_model, param_sizes_of
 from dplab.sim import BackwardProfile, ParamTiming, get_link, simulate
-from dplab.trace import Span, StepTrace
+from dplab.trace import Span, StepTrace, best_cap, sweep_row
 from dplab.trace.metrics import length
-from dplab.viz.buckets import bucket_map_figure, param_sizes_of
-from dplab.viz.sweep import best_cap, sweep_figure, sweep_row
+from dplab.viz.buckets import bucket_map_figure
+from dplab.viz.sweep import sweep_figure
 from dplab.viz.timeline import comm_rows, panels_of, timeline_figure
 
 MIB = 1024 * 1024
@@ -292,7 +292,7 @@ def test_sweep_refuses_rows_it_cannot_draw():
 
 def test_a_measured_two_rank_step_draws_every_bucket_on_both_ranks(cluster2):
     results = cluster2.run(measure_ddp, "tiny-gpt", bucket_cap_mb=0.25, steps=1, warmup=1)
-    ranks = [r[0] for r in traces(results)]
+    ranks = [r[0] for r in results]
     fig = timeline_figure(ranks)
     hidden = bars(fig, "hidden")[0]
     n_buckets = len(ranks[0].buckets)

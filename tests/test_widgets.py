@@ -8,11 +8,18 @@ import torch.distributed as dist
 
 from dplab.ddp.buckets import bucket_plan
 from dplab.models import make_model
-from dplab.sim import BackwardProfile, Contention, Link, ParamTiming
+from dplab.sim import (
+    BackwardProfile,
+    Contention,
+    Link,
+    ParamTiming,
+    crossover_world_size,
+    faster_compute,
+)
 from dplab.widgets import bucket_explorer as bucket_explorer_module
 from dplab.widgets import overlap_explorer as overlap_explorer_module
 from dplab.widgets.bucket_explorer import BucketExplorer
-from dplab.widgets.overlap_explorer import OverlapExplorer, crossover_world_size, faster_compute
+from dplab.widgets.overlap_explorer import OverlapExplorer
 from dplab.widgets.sweep_runner import SweepRunner, parse_caps
 from tests.conftest import child_pids
 

@@ -36,25 +36,22 @@ one algorithm every rank ends with the same bits, because the all-gather *copies
 
 Modules: :mod:`~dplab.collectives.schedule` (pure schedules), :mod:`~dplab.collectives.allreduce`
 (the real ring and naive all-reduce on ranks), :mod:`~dplab.collectives.cost` (α-β, algbw,
-busbw, the fit), :mod:`~dplab.collectives.bench` (the bandwidth bench and its CLI verb).
+busbw, the fit), :mod:`~dplab.collectives.bench` (the bandwidth bench).
 """
 
 from dplab.collectives.allreduce import OPS, naive_all_reduce, ring_all_reduce
 from dplab.collectives.bench import (
     ALGORITHMS,
     BandwidthRow,
-    add_cli,
     bandwidth_bench,
     bandwidth_report,
     fit_rows,
+    format_fit,
     format_table,
     geometric_sizes,
-    machine_info,
     measure_bandwidth,
-    rows_from_report,
 )
 from dplab.collectives.cost import (
-    GB,
     AlphaBetaFit,
     algbw,
     bus_factor,
@@ -86,13 +83,11 @@ __all__ = [
     "ALL_GATHER",
     "BROADCAST",
     "GATHER",
-    "GB",
     "OPS",
     "REDUCE_SCATTER",
     "AlphaBetaFit",
     "BandwidthRow",
     "Transfer",
-    "add_cli",
     "algbw",
     "bandwidth_bench",
     "bandwidth_report",
@@ -101,9 +96,9 @@ __all__ = [
     "chunk_bounds",
     "fit_alpha_beta",
     "fit_rows",
+    "format_fit",
     "format_table",
     "geometric_sizes",
-    "machine_info",
     "measure_bandwidth",
     "naive_all_reduce",
     "naive_bytes_per_rank",
@@ -118,5 +113,4 @@ __all__ = [
     "ring_send_chunk",
     "ring_steps",
     "ring_time",
-    "rows_from_report",
 ]

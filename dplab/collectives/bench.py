@@ -1,4 +1,4 @@
-"""Measuring all-reduce bandwidth on ranks, fitting α-β, and ``python -m dplab bandwidth``.
+"""Measuring all-reduce bandwidth on ranks and fitting α-β (the ``bandwidth`` verb prints it).
 
 The bench times ``dist.all_reduce`` (and, for contrast, this package's ring and naive
 all-reduce) over sizes from 1 KiB to 256 MiB, and reports nccl-tests' algbw and busbw.
@@ -6,25 +6,20 @@ all-reduce) over sizes from 1 KiB to 256 MiB, and reports nccl-tests' algbw and 
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from numbers import Integral
 from typing import Any
 
-from dplab.collectives._checks import check_count, check_world_size
+from dplab._checks import check_count, check_world_size
+from dplab._units import GB, KIB, MIB, format_size
 from dplab.collectives.allreduce import group_info, naive_all_reduce, ring_all_reduce
-from dplab.collectives.cost import GB, AlphaBetaFit, algbw, busbw, fit_alpha_beta
+from dplab.collectives.cost import AlphaBetaFit, algbw, busbw, fit_alpha_beta
+from dplab.env import machine_info
 
-KIB = 1024
-MIB = 1024 * 1024
 ALGORITHMS = ("all_reduce", "ring", "naive")
 
 
@@ -92,7 +87,7 @@ def bandwidth_bench(
     import torch
     import torch.distributed as dist
 
-    import dplab
+    from dplab.launch import device
 
     _, n, _ = group_info(None)
     sizes = list(geometric_sizes()) if sizes is None else [int(s) for s in sizes]
@@ -104,7 +99,7 @@ def bandwidth_bench(
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {a!r}")
     repeats = max(1, check_count("repeats", repeats))
     warmup = check_count("warmup", warmup)
-    dev = dplab.device()
+    dev = device()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def slowest(seconds: float) -> float:
@@ -161,14 +156,14 @@ def measure_bandwidth(
     timeout_s: float = 600.0,
 ) -> list[BandwidthRow]:
     """Run :func:`bandwidth_bench` on ``world_size`` ranks (or on a warm ``dplab.Cluster``)."""
-    import dplab
+    from dplab.launch import launch
 
     kwargs = {"sizes": sizes, "algorithms": tuple(algorithms), "repeats": repeats}
     kwargs["warmup"] = warmup
     if cluster is not None:
         return cluster.run(bandwidth_bench, **kwargs)[0]
     n = check_world_size(world_size)
-    return dplab.launch(bandwidth_bench, n, backend=backend, kwargs=kwargs, timeout_s=timeout_s)[0]
+    return launch(bandwidth_bench, n, backend=backend, kwargs=kwargs, timeout_s=timeout_s)[0]
 
 
 def fit_rows(rows: Sequence[BandwidthRow]) -> dict[tuple[str, int], AlphaBetaFit]:
@@ -185,33 +180,6 @@ def fit_rows(rows: Sequence[BandwidthRow]) -> dict[tuple[str, int], AlphaBetaFit
         )
         for key, g in groups.items()
         if key[1] >= 2 and len({r.size_bytes for r in g}) >= 2
-    }
-
-
-def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on: CPU model, cores, OS, torch, Python."""
-    import torch
-
-    model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {
-        "cpu_model": model,
-        "cpu_cores": os.cpu_count(),
-        "usable_cores": usable,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
     }
 
 
@@ -248,19 +216,6 @@ def bandwidth_report(
     return report
 
 
-def rows_from_report(report: dict[str, Any]) -> list[BandwidthRow]:
-    """The rows of a saved :func:`bandwidth_report` (to redraw its plot)."""
-    return [BandwidthRow(**r) for r in report["rows"]]
-
-
-def format_size(nbytes: float) -> str:
-    """1024 → '1 KiB', 268435456 → '256 MiB', 100e6 → '95.4 MiB' (three significant digits)."""
-    for unit, scale in (("GiB", 1024**3), ("MiB", MIB), ("KiB", KIB)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.3g} B"
-
-
 def format_table(rows: Sequence[BandwidthRow]) -> str:
     """A Markdown table: one line per (size), one column group per algorithm."""
     lines = [
@@ -282,77 +237,3 @@ def format_fit(algorithm: str, fit: AlphaBetaFit) -> str:
         f"relative error median {fit.median_rel_error:.0%}, max {fit.max_rel_error:.0%} "
         f"over {fit.n_points} sizes"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# python -m dplab bandwidth
-
-
-def cmd_bandwidth(args: argparse.Namespace) -> int:
-    """Measure all-reduce time against size, fit α-β, print; optionally save JSON and a plot."""
-    if args.max_size_mb <= 0 or args.min_size_kb <= 0:
-        print(
-            f"sizes must be > 0, got --min-size-kb {args.min_size_kb} "
-            f"--max-size-mb {args.max_size_mb}",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        check_world_size(args.world_size, minimum=2)
-        sizes = geometric_sizes(
-            int(args.min_size_kb * KIB), int(args.max_size_mb * MIB), args.factor
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"all-reduce bandwidth on {args.world_size} ranks ({args.backend}), "
-        f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
-        f"{args.repeats} repeats ...",
-        flush=True,
-    )
-    rows = measure_bandwidth(
-        args.world_size,
-        sizes=sizes,
-        algorithms=args.algorithms,
-        repeats=args.repeats,
-        backend=args.backend,
-    )
-    print(format_table(rows))
-    fits = fit_rows(rows)
-    for (a, _), f in sorted(fits.items()):
-        print(format_fit(a, f))
-    command = "python -m dplab " + " ".join(sys.argv[1:]) if sys.argv[1:] else "python -m dplab"
-    if args.out:
-        from dplab.launch import resolve_backend
-
-        backend = resolve_backend(args.backend, args.world_size)
-        with open(args.out, "w") as f:
-            json.dump(bandwidth_report(rows, command=command, backend=backend), f, indent=1)
-        print(f"wrote {args.out}")
-    if args.html:
-        from dplab.viz.collectives import bandwidth_figure
-
-        bandwidth_figure(rows, fits).write_html(args.html, include_plotlyjs=True)
-        print(f"wrote {args.html}")
-    return 0
-
-
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bandwidth", help="all-reduce time vs size on N ranks, with an α-β fit")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--min-size-kb", type=float, default=1.0, help="smallest size, KiB")
-    p.add_argument("--max-size-mb", type=float, default=256.0, help="largest size, MiB")
-    p.add_argument("--factor", type=int, default=4, help="each size is FACTOR times the last")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument(
-        "--algorithms",
-        nargs="+",
-        default=["all_reduce"],
-        choices=list(ALGORITHMS),
-        help="all_reduce (torch.distributed), ring and naive (this module, from send/recv)",
-    )
-    p.add_argument("--out", help="save rows, fits and machine as JSON here")
-    p.add_argument("--html", help="save the plot as a self-contained HTML file here")
-    p.set_defaults(func=cmd_bandwidth)

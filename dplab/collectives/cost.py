@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dplab.collectives._checks import check_nonneg, check_positive, check_world_size
-
-GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes
+from dplab._checks import check_nonneg, check_positive, check_world_size
+from dplab._units import GB
 
 
 def bus_factor(world_size: int) -> float:
@@ -83,7 +82,7 @@ def _messages(n: int) -> float:
 
 
 # model → (α coefficient, β coefficient per byte), as functions of N
-MODELS = {"ring": (_messages, bus_factor), "naive": (_messages, _messages)}
+COST_MODELS = {"ring": (_messages, bus_factor), "naive": (_messages, _messages)}
 
 
 @dataclass(frozen=True)
@@ -130,8 +129,8 @@ def fit_alpha_beta(
     import numpy as np
 
     n = check_world_size(world_size, minimum=2)
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+    if model not in COST_MODELS:
+        raise ValueError(f"model must be one of {sorted(COST_MODELS)}, got {model!r}")
     s = np.asarray(sizes, dtype=float)
     t = np.asarray(times, dtype=float)
     if s.ndim != 1 or s.shape != t.shape:
@@ -142,7 +141,7 @@ def fit_alpha_beta(
         raise ValueError(f"times must be finite and > 0 seconds, got {list(times)!r}")
     if len(np.unique(s)) < 2:
         raise ValueError("need at least two distinct sizes to separate α from β")
-    messages, per_byte = MODELS[model]
+    messages, per_byte = COST_MODELS[model]
     design = np.column_stack([np.full_like(s, messages(n)), per_byte(n) * s]) / t[:, None]
     target = np.ones_like(t)  # t / t
     coef = _nonneg_lstsq(design, target)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dplab.collectives._checks import check_count, check_world_size
+from dplab._checks import check_count, check_world_size
 
 REDUCE_SCATTER = "reduce-scatter"
 ALL_GATHER = "all-gather"

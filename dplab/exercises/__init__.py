@@ -1,7 +1,9 @@
-"""Your-turn exercises of §3, checked on real ranks; reference answers in ``solutions``.
+"""Your-turn exercises, checked on real ranks; reference answers in ``solutions``.
 
-Each checker takes the learner's function (and optionally a warm :class:`dplab.Cluster`) and
-returns a :class:`CheckResult` that shows itself in the notebook.
+:mod:`~dplab.exercises.checks` holds §3's mechanics checkers, :mod:`~dplab.exercises.ddp` §8's
+DDP checker (which buckets are exposed), side by side. Each checker takes the learner's function
+(and optionally a warm :class:`dplab.Cluster`) and returns a :class:`CheckResult` that shows
+itself in the notebook.
 """
 
 from dplab.exercises import solutions
@@ -14,6 +16,7 @@ from dplab.exercises.checks import (
     check_average_gradients,
     check_broadcast_weights,
 )
+from dplab.exercises.ddp import check_exposed_buckets
 
 __all__ = [
     "FAILED",
@@ -23,5 +26,6 @@ __all__ = [
     "check_accumulation_step",
     "check_average_gradients",
     "check_broadcast_weights",
+    "check_exposed_buckets",
     "solutions",
 ]

@@ -11,6 +11,7 @@
 - :mod:`~dplab.mechanics.allreduce`: what the all-reduce computes; the ring on real ranks.
 """
 
+from dplab.ddp import accumulate
 from dplab.mechanics._common import (
     as_dtype,
     flat_grads,
@@ -44,7 +45,6 @@ from dplab.mechanics.lr_scaling import (
 )
 from dplab.mechanics.traffic import CommCounter, CommRecord, comm_table
 from dplab.mechanics.training import (
-    accumulate,
     broadcast_from_rank0,
     comm_in_phase,
     comm_per_step,

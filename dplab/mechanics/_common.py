@@ -28,12 +28,6 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous slice of a global batch (the first dimension).
 

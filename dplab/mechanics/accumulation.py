@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dplab.mechanics._common import as_dtype, check_positive_int
+from dplab._checks import check_positive_int
+from dplab.mechanics._common import as_dtype
 from dplab.mechanics.batch import local_batch_size
 from dplab.models import make_batch, make_model
 

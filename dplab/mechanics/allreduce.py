@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dplab._checks import check_positive_int
 from dplab.collectives import ring_all_reduce
-from dplab.mechanics._common import check_positive_int, rank_and_world
+from dplab.mechanics._common import rank_and_world
 from dplab.mechanics.traffic import CommCounter
 
 

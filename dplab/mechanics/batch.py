@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from dplab.mechanics._common import check_positive_int
+from dplab._checks import check_positive_int
 
 
 def global_batch_size(b_local: int, world_size: int, accum: int = 1) -> int:

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dplab._checks import check_positive_int
 from dplab.mechanics._common import (
     as_dtype,
-    check_positive_int,
     flat_grads,
     rank_and_world,
     shard,

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dplab._checks import check_positive_int
 from dplab.ddp import DDP
-from dplab.mechanics._common import check_positive_int, rank_and_world, shard
+from dplab.mechanics._common import rank_and_world, shard
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,16 @@ run returns what the claims need: the weights and their hash, every collective i
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dplab.ddp import DDP
+from dplab._checks import check_positive_int
+from dplab.ddp import DDP, accumulate, first_bucket_cap
 from dplab.mechanics._common import (
     as_dtype,
-    check_positive_int,
     flat_grads,
     flat_params,
     params_hash,
@@ -50,33 +49,6 @@ def step_batches(
     x, y = make_batch("mlp", global_batch, seed=seed + 1 + step, dtype=dtype)
     xs, ys = shard(x, rank, n), shard(y, rank, n)
     return list(zip(xs.chunk(accum), ys.chunk(accum), strict=True))
-
-
-def accumulate(
-    net: nn.Module,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    no_sync: bool = True,
-    scale_loss: bool = True,
-) -> float:
-    """Forward and backward over the micro-batches, summing into ``.grad``; returns the loss.
-
-    Right: loss / A on every micro-batch, and ``no_sync()`` on all but the last, so the one
-    all-reduce happens after the last backward. ``scale_loss=False`` forgets the 1/A (the
-    gradient is the sum of A means: A× too large); ``no_sync=False`` forgets no_sync (an
-    all-reduce per micro-batch: A× the traffic, same result).
-    """
-    a = len(micro_batches)
-    total = 0.0
-    for i, (x, y) in enumerate(micro_batches):
-        quiet = no_sync and i < a - 1 and hasattr(net, "no_sync")
-        with net.no_sync() if quiet else contextlib.nullcontext():
-            loss = net(x, y)
-            if scale_loss:
-                loss = loss / a
-            loss.backward()
-        total += loss.item()
-    return total
 
 
 def train_run(
@@ -112,9 +84,7 @@ def train_run(
     with counter:
         with counter.phase("construction"):
             if n > 1 and synchronise:
-                first = (
-                    min(1.0, bucket_cap_mb) if first_bucket_cap_mb is None else first_bucket_cap_mb
-                )
+                first = first_bucket_cap(bucket_cap_mb, first_bucket_cap_mb)
                 net: nn.Module = DDP(model, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first)
             else:
                 broadcast_from_rank0(model)

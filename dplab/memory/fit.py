@@ -11,15 +11,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dplab._checks import check_world_size
+from dplab._units import GB
 from dplab.memory.activations import check_recompute, gpt_activation_bytes
-from dplab.memory.presets import GB, GPU, ModelConfig, get_gpu, get_model, gpt_shape_for
+from dplab.memory.presets import GPU, ModelConfig, get_gpu, get_model, gpt_shape_for
 from dplab.memory.recipes import PARTS, bytes_per_param, check_optimizer, check_precision
 from dplab.memory.state import (
     SHARDED_FROM,
     STAGE_LABELS,
     StateBytes,
     check_n_params,
-    check_world_size,
     check_zero_stage,
     state_bytes,
 )

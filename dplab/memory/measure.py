@@ -12,6 +12,7 @@ the activation memory (parameters and buffers, saved by reference, are model sta
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dplab.memory.gpt import TinyGPT, lm_loss, random_batch
+from dplab.memory.gpt import MEASURED_GPT, measured_gpt, random_batch
 from dplab.memory.mixed import MixedPrecisionOptimizer
 from dplab.memory.recipes import PARTS, check_optimizer, check_precision
+from dplab.models import Block, TinyGPT, lm_loss
 
 MEASURE_PARTS = (*PARTS, "buffers")
 
@@ -174,7 +176,7 @@ def measure_recipe(
 ) -> MeasuredState:
     """Build a :class:`TinyGPT`, train one step with a recipe, measure what it holds."""
     torch.manual_seed(seed)
-    model, opt = make_recipe(TinyGPT(**(model_kwargs or {})), precision, optimizer)
+    model, opt = make_recipe(measured_gpt(**(model_kwargs or {})), precision, optimizer)
     batch = random_batch(model.vocab, micro_batch, seq_len, seed=seed)
     train_step(model, opt, [batch])
     return measure_held(model, opt, precision=precision, optimizer=optimizer)
@@ -231,11 +233,10 @@ def block_saved_bytes(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
 ) -> SavedTensors:
-    """Run one :class:`~dplab.memory.gpt.Block` forward in training mode; what did it save?"""
-    from dplab.memory.gpt import Block
-
+    """Run one block of the measured GPT forward in training mode; what did it save?"""
     torch.manual_seed(0)
-    block = Block(hidden, heads, max_seq=max(seq_len, 1)).to(device=device, dtype=dtype).train()
+    cfg = dataclasses.replace(MEASURED_GPT, d_model=hidden, n_heads=heads, seq_len=max(seq_len, 1))
+    block = Block(cfg).to(device=device, dtype=dtype).train()
     x = torch.randn(micro_batch, seq_len, hidden, dtype=dtype, device=device, requires_grad=True)
     with SavedTensors(block) as saved:
         block(x)

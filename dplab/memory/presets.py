@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 2**30
-GB = 10**9
+from dplab._units import GIB
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ def _llama(key, name, vocab, hidden, intermediate, layers, heads, kv_heads, max_
     )
 
 
-MODELS: dict[str, ModelConfig] = {
+LLM_SHAPES: dict[str, ModelConfig] = {
     m.key: m
     for m in [
         ModelConfig("gpt2-124m", "GPT-2 124M", "gpt2", 50257, 768, 3072, 12, 12, 12, 1024, True),
@@ -123,9 +122,9 @@ GPUS: dict[str, GPU] = {
 def get_model(key: object) -> ModelConfig:
     if isinstance(key, ModelConfig):
         return key
-    if key not in MODELS:
-        raise ValueError(f"model must be one of {list(MODELS)}, got {key!r}")
-    return MODELS[key]
+    if key not in LLM_SHAPES:
+        raise ValueError(f"model must be one of {list(LLM_SHAPES)}, got {key!r}")
+    return LLM_SHAPES[key]
 
 
 def get_gpu(key: object) -> GPU:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dplab.memory.gpt import TinyGPT, random_batch
+from dplab.memory.gpt import measured_gpt, random_batch
 from dplab.memory.measure import held_tensors, make_recipe, storage_bytes_by_part, train_step
 from dplab.memory.recipes import PARTS
 
@@ -85,7 +85,7 @@ def rank_state(
         world = group_size
     device = dplab.device()
     torch.manual_seed(0)
-    model = TinyGPT(**(model_kwargs or {})).to(device)
+    model = measured_gpt(**(model_kwargs or {})).to(device)
     if zero1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

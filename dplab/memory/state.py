@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
+from dplab._checks import check_world_size
 from dplab.memory.recipes import PARTS, bytes_per_param
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -41,13 +42,6 @@ def check_n_params(n_params: object) -> int:
     if not math.isfinite(n_params) or n_params < 1 or n_params != int(n_params):
         raise ValueError(f"n_params must be a positive whole number, got {n_params!r}")
     return int(n_params)
-
-
-def check_world_size(world_size: object) -> int:
-    """A world size is an int ≥ 1 (bools and floats are refused)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    return world_size
 
 
 def check_zero_stage(zero_stage: object) -> int:

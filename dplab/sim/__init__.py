@@ -11,7 +11,13 @@ the same kind of object a measured step is, so it draws and measures the same wa
     trace.metrics.exposed_comm_ms
 """
 
-from dplab.sim.cli import add_cli
+from dplab.sim.at_scale import (
+    WORLD_SIZES,
+    comm_time_ms,
+    crossover_world_size,
+    faster_compute,
+    verdict,
+)
 from dplab.sim.engine import (
     best_bucket_cap,
     candidate_caps,
@@ -34,13 +40,16 @@ from dplab.sim.profile import (
 __all__ = [
     "LINK_NAMES",
     "PRESETS",
+    "WORLD_SIZES",
     "BackwardProfile",
     "Contention",
     "Link",
     "ParamTiming",
-    "add_cli",
     "best_bucket_cap",
     "candidate_caps",
+    "comm_time_ms",
+    "crossover_world_size",
+    "faster_compute",
     "get_link",
     "loopback_link",
     "measure_profile",
@@ -51,4 +60,5 @@ __all__ = [
     "schedule",
     "simulate",
     "sweep",
+    "verdict",
 ]

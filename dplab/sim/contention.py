@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field
 from numbers import Real
 from typing import Any
 
+from dplab._units import KIB, MIB
 from dplab.collectives.cost import ring_time
 
-KIB, MIB = 1024, 1024 * 1024
 PROBE_SIZES = (256 * KIB, 4 * MIB)
 
 

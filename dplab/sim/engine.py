@@ -30,13 +30,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from dplab._checks import check_world_size
+from dplab._units import MIB
 from dplab.ddp.buckets import bucket_plan, check_cap_mb
 from dplab.sim.contention import Contention
-from dplab.sim.link import Link, check_world_size
+from dplab.sim.link import Link
 from dplab.sim.profile import BackwardProfile
 from dplab.trace.step import Span, StepTrace
-
-MIB = 1024 * 1024
 
 
 def _check_inputs(profile: Any, link: Any, contention: Any) -> None:

@@ -35,33 +35,17 @@ predictions on the presets are best cases; only ``gloo-loopback`` is a measured 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
-from numbers import Real
 from pathlib import Path
 from typing import Any
 
+from dplab._checks import check_nonneg, check_positive, check_world_size
+from dplab._units import GB
 from dplab.collectives.cost import ring_time
 
-GB = 1e9
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 LOOPBACK_JSON = ASSETS / "gloo_loopback_bandwidth.json"
 LOOPBACK_COMMAND = "python benchmarks/allreduce_bandwidth.py"
-
-
-def check_world_size(world_size: Any) -> int:
-    """A world size is an int >= 1 (bools are not)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    return world_size
-
-
-def _finite(name: str, value: Any, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -81,15 +65,15 @@ class Link:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a link needs a name, got {self.name!r}")
-        object.__setattr__(self, "alpha_s", _finite("alpha_s", self.alpha_s, positive=False))
+        object.__setattr__(self, "alpha_s", check_nonneg("alpha_s", self.alpha_s))
         object.__setattr__(
-            self, "bandwidth_Bps", _finite("bandwidth_Bps", self.bandwidth_Bps, positive=True)
+            self, "bandwidth_Bps", check_positive("bandwidth_Bps", self.bandwidth_Bps)
         )
 
     @classmethod
     def from_beta(cls, name: str, alpha_s: float, beta_s_per_byte: float, source: str = ""):
         """A link from α (s) and β (s/byte), as :func:`dplab.collectives.fit_alpha_beta` gives."""
-        beta = _finite("beta_s_per_byte", beta_s_per_byte, positive=True)
+        beta = check_positive("beta_s_per_byte", beta_s_per_byte)
         return cls(name, alpha_s, 1.0 / beta, source)
 
     @property

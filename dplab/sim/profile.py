@@ -20,26 +20,20 @@ rank function measures that too (:class:`~dplab.sim.contention.Contention`).
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from numbers import Real
 from pathlib import Path
 from typing import Any
 
+from dplab._checks import check_nonneg
+from dplab._nested import tensors_in
+from dplab._units import MIB
 from dplab.sim.contention import Contention, contention_rank
+from dplab.trace.observer import NullObserver
 
 FORMAT = "dplab.backward_profile/1"
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -57,7 +51,7 @@ class ParamTiming:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"parameter {self.name!r}: {key} must be an int > 0, got {v!r}")
-        object.__setattr__(self, "ready_ms", _number(f"{self.name!r} ready_ms", self.ready_ms))
+        object.__setattr__(self, "ready_ms", check_nonneg(f"{self.name!r} ready_ms", self.ready_ms))
 
 
 @dataclass(frozen=True)
@@ -86,7 +80,7 @@ class BackwardProfile:
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"profile names a parameter twice: {dup}")
         for key in ("forward_ms", "backward_ms", "optimizer_ms", "divide_ms_per_mib"):
-            object.__setattr__(self, key, _number(key, getattr(self, key)))
+            object.__setattr__(self, key, check_nonneg(key, getattr(self, key)))
         last = max(p.ready_ms for p in self.params)
         if last > self.backward_ms * (1 + 1e-9) + 1e-9:
             raise ValueError(
@@ -153,6 +147,39 @@ class BackwardProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+class GradTimer(NullObserver):
+    """A :class:`~dplab.trace.StepObserver` that keeps when each gradient was ready.
+
+    ``start`` is when backward began (the output's gradient was computed), ``marks[i]`` when
+    trainable parameter ``i``'s gradient was accumulated, ``end`` the autograd engine's final
+    callback. The same calls the Tracer draws a timeline from, kept as raw clock marks.
+    """
+
+    def __init__(self, clock: Any, n_params: int):
+        self.clock = clock
+        self.marks: list[Any] = [None] * n_params
+        self.start: Any = None
+        self.end: Any = None
+
+    def reset(self) -> None:
+        self.marks = [None] * len(self.marks)
+        self.start = self.end = None
+
+    def forward_end(self, output: Any) -> None:
+        tensor = next((t for t in tensors_in(output) if t.requires_grad), None)
+        if tensor is not None:
+            tensor.register_hook(self._backward_starts)
+
+    def _backward_starts(self, grad: Any) -> None:
+        self.start = self.clock.now()
+
+    def grad_ready(self, index: int) -> None:
+        self.marks[index] = self.clock.now()
+
+    def backward_end(self, *, synced: bool) -> None:
+        self.end = self.clock.now()
+
+
 # ---------------------------------------------------------------------------------------------
 # Measuring on ranks
 
@@ -169,13 +196,14 @@ def profile_rank(
     """Run on every rank: time ``steps`` training steps with no communication; return raw data.
 
     Each step starts at a barrier so the ranks compute at the same time, as in a DDP step.
-    The optimizer is SGD, as :func:`dplab.experiments.measure_ddp` uses. With
+    The optimizer is SGD, as :func:`dplab.ddp.measure_ddp` uses. With
     ``contention_repeats`` > 0 it then runs the contention probe
     (:func:`~dplab.sim.contention.contention_rank`).
     """
     import torch
     import torch.distributed as dist
 
+    from dplab.ddp import DDP
     from dplab.launch import device
     from dplab.models import make_batch, make_model
     from dplab.trace.tracer import pick_clock
@@ -187,53 +215,39 @@ def profile_rank(
     net = make_model(model, seed=seed).to(dev)
     params = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     opt = torch.optim.SGD([p for _, p in params], lr=1e-3)
-    marks: list[Any] = [None] * len(params)
-    box: dict[str, Any] = {}
-
-    def on_grad(i: int):
-        def hook(_: torch.Tensor) -> None:
-            marks[i] = clock.now()
-            if "queued" not in box:
-                box["queued"] = 1
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: box.__setitem__("end", clock.now())
-                )
-
-        return hook
-
-    handles = [p.register_post_accumulate_grad_hook(on_grad(i)) for i, (_, p) in enumerate(params)]
+    timer = GradTimer(clock, len(params))
+    # DDP's own hooks tell the timer when each gradient is ready (the seam the Tracer uses);
+    # every step runs under no_sync, so nothing is all-reduced: compute alone is measured.
+    ddp = DDP(net, tracer=timer)
     samples = []
     for step in range(warmup + steps):
         x, y = (t.to(dev) for t in make_batch(model, batch_size, seed=seed + 1000 * step + rank))
-        marks[:] = [None] * len(params)
-        box.clear()
+        timer.reset()
         dist.barrier()
         t0 = clock.now()
-        loss = net(x, y)
-        t1 = clock.now()
-        loss.register_hook(lambda g: box.__setitem__("start", clock.now()))
-        loss.backward()
+        with ddp.no_sync():
+            loss = ddp(x, y)
+            t1 = clock.now()
+            loss.backward()
         t2 = clock.now()
         opt.step()
         t3 = clock.now()
         opt.zero_grad(set_to_none=False)
         clock.settle([])  # on GPU: wait for the events, after the step
-        missing = [params[i][0] for i, m in enumerate(marks) if m is None]
+        missing = [params[i][0] for i, m in enumerate(timer.marks) if m is None]
         if missing:
             raise RuntimeError(f"these parameters got no gradient, cannot profile them: {missing}")
         if step >= warmup:
-            start = box["start"]
+            start = timer.start
             samples.append(
                 {
                     "forward_ms": clock.ms(t1, t0),
                     "backward_start_ms": clock.ms(start, t0),
-                    "backward_ms": clock.ms(box.get("end", t2), start),
+                    "backward_ms": clock.ms(timer.end or t2, start),
                     "optimizer_ms": clock.ms(t3, t2),
-                    "ready_ms": [clock.ms(m, start) for m in marks],
+                    "ready_ms": [clock.ms(m, start) for m in timer.marks],
                 }
             )
-    for h in handles:
-        h.remove()
     flat = torch.ones(sum(p.numel() for _, p in params), device=dev)
     divide = []
     for _ in range(5):
@@ -242,7 +256,7 @@ def profile_rank(
         flat.div_(dist.get_world_size())
         t1 = clock.now()
         clock.settle([])
-        divide.append(clock.ms(t1, t0) / (flat.numel() * 4 / 2**20))
+        divide.append(clock.ms(t1, t0) / (flat.numel() * 4 / MIB))
     del flat
     out: dict[str, Any] = {
         "params": [
@@ -265,7 +279,9 @@ def profile_rank(
         # effect. On a GPU, NCCL runs on its own SMs and streams; free overlap is the model.
         backward_ms = statistics.median(s["backward_ms"] for s in samples)
         batch = make_batch(model, batch_size, seed=seed + 7919 + rank)
-        out["contention"] = contention_rank(net, batch, backward_ms, contention_repeats)
+        # A fresh copy of the model: the probe's backward should not run DDP's hooks.
+        probe = make_model(model, seed=seed).to(dev)
+        out["contention"] = contention_rank(probe, batch, backward_ms, contention_repeats)
     return out
 
 
@@ -382,7 +398,7 @@ def measure_profile(
 ) -> BackwardProfile:
     """Measure a :class:`BackwardProfile` on ``world_size`` ranks (or on a warm Cluster)."""
     import dplab
-    from dplab.collectives import machine_info
+    from dplab.env import machine_info
     from dplab.models import MODELS
 
     if model not in MODELS:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from dplab.trace.bucket import Bucket
 from dplab.trace.metrics import StepMetrics, step_metrics
 
 KINDS = ("forward", "backward", "bucket_ready", "allreduce", "wait", "optimizer")
@@ -56,11 +57,12 @@ class StepTrace:
     clock: str
     step: int
     spans: list[Span]
-    buckets: list[dict[str, Any]] = field(default_factory=list)
+    buckets: list[Bucket] = field(default_factory=list)
     origin_ms: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.buckets = [Bucket.from_dict(b) for b in self.buckets]
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}")
         for span in self.spans:
@@ -93,7 +95,7 @@ class StepTrace:
             "step": self.step,
             "origin_ms": self.origin_ms,
             "spans": [s.to_dict() for s in self.spans],
-            "buckets": [dict(b) for b in self.buckets],
+            "buckets": [b.to_dict() for b in self.buckets],
             "metrics": self.metrics.to_dict(),
             "meta": dict(self.meta),
         }
@@ -135,7 +137,7 @@ class StepTrace:
             clock=str(d["clock"]),
             step=int(d["step"]),
             spans=spans,
-            buckets=[dict(b) for b in d.get("buckets", [])],
+            buckets=[Bucket.from_dict(b) for b in d.get("buckets", [])],
             origin_ms=float(d.get("origin_ms", 0.0)),
             meta=dict(d.get("meta", {})),
         )
@@ -143,6 +145,11 @@ class StepTrace:
     def to_chrome_trace(self) -> dict[str, Any]:
         """This step as Chrome trace-event JSON (opens in Perfetto and chrome://tracing)."""
         return chrome_trace([self])
+
+
+def last_steps(per_rank: list[list[StepTrace]]) -> list[StepTrace]:
+    """Each rank's last step (the one after warm-up settles), in rank order."""
+    return [rank_steps[-1] for rank_steps in per_rank]
 
 
 def lane(kind: str) -> str:
@@ -185,7 +192,7 @@ def chrome_trace(steps: list[StepTrace]) -> dict[str, Any]:
                 }
             )
     for step in steps:
-        names = {b["index"]: b.get("param_names", []) for b in step.buckets}
+        names = {b.index: list(b.param_names) for b in step.buckets}
         for span in step.spans:
             args: dict[str, Any] = {"step": step.step, "kind": span.kind}
             if span.bucket is not None:

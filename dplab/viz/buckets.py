@@ -16,22 +16,10 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from dplab._units import MIB
 from dplab.viz.style import COLORS, layout
 
-MIB = 1024 * 1024
 ROW_PX = 26
-
-
-def param_sizes_of(module: Any) -> dict[str, int]:
-    """``{name: gradient bytes}`` in registration order (what ``bucket_map_figure`` wants).
-
-    A tied parameter appears once, as ``named_parameters()`` and DDP see it.
-    """
-    return {
-        name: p.numel() * p.element_size()
-        for name, p in module.named_parameters()
-        if p.requires_grad
-    }
 
 
 def _rows(buckets: Any) -> list[dict[str, Any]]:
@@ -68,40 +56,11 @@ def _short(name: str) -> str:
     return name.replace(".weight", ".w").replace(".bias", ".b")
 
 
-def bucket_map_figure(
-    buckets: Any,
-    param_sizes: Mapping[str, int] | None = None,
-    *,
-    cap_mb: float | None = None,
-    first_cap_mb: float | None = None,
-    title: str | None = None,
-    height: int | None = None,
-) -> go.Figure:
-    """Draw the buckets.
-
-    Args:
-        buckets: ``ddp.buckets`` (``dplab.Bucket``), ``trace.buckets`` (dicts), a StepTrace or
-            a DDP.
-        param_sizes: ``{name: bytes}`` in registration order (:func:`param_sizes_of`). With it
-            segments are as wide as the gradients; without it every parameter is one cell and
-            the colour is the bucket order reversed (registration order before any rebuild).
-        cap_mb, first_cap_mb: draw the bucket caps (needs ``param_sizes``).
-    """
-    rows = _rows(buckets)
-    in_buckets = [name for r in rows for name in r["param_names"]]
-    if param_sizes is not None:
-        sizes = dict(param_sizes)
-        missing = [n for n in in_buckets if n not in sizes]
-        if missing:
-            raise ValueError(f"param_sizes has no size for {missing[0]!r} (a bucketed parameter)")
-        order = {name: i for i, name in enumerate(sizes)}
-        color_title = "registration<br>order"
-    else:
-        sizes = None
-        order = {name: i for i, name in enumerate(reversed(in_buckets))}
-        color_title = "bucket order<br>reversed"
+def _segments(
+    rows: list[dict[str, Any]], sizes: Mapping[str, int] | None, order: dict[str, int]
+) -> tuple[dict[str, list], list[str], list[tuple[str, float, int, int | None]]]:
+    """One bar segment per parameter, bucket by bucket; the bucket labels; per-bucket totals."""
     n_params = len(order)
-
     base, width, y, color, text, hover = [], [], [], [], [], []
     labels = []
     totals = []
@@ -124,29 +83,18 @@ def bucket_map_figure(
             offset += size
         totals.append((label, offset, len(r["param_names"]), r["nbytes"]))
 
-    fig = go.Figure(
-        go.Bar(
-            orientation="h",
-            base=base,
-            x=width,
-            y=y,
-            text=text,
-            textposition="inside",
-            insidetextanchor="middle",
-            textangle=0,
-            hovertext=hover,
-            hoverinfo="text",
-            marker={
-                "color": color,
-                "colorscale": "Viridis",
-                "cmin": 0,
-                "cmax": max(n_params - 1, 1),
-                "line": {"width": 1, "color": "white"},
-                "colorbar": {"title": {"text": color_title}, "thickness": 12},
-            },
-            showlegend=False,
-        )
-    )
+    bars = {"base": base, "x": width, "y": y, "color": color, "text": text, "hover": hover}
+    return bars, labels, totals
+
+
+def _annotate(
+    fig: go.Figure,
+    totals: list[tuple[str, float, int, int | None]],
+    sizes: Mapping[str, int] | None,
+    cap_mb: float | None,
+    first_cap_mb: float | None,
+) -> None:
+    """Each bucket's parameter count and size at its end; the caps as dashed lines."""
     for label, end, count, nbytes in totals:
         size = f", {nbytes / MIB:.2f} MiB" if nbytes is not None else ""
         fig.add_annotation(
@@ -168,6 +116,69 @@ def bucket_map_figure(
                     line={"dash": "dash", "color": COLORS["capacity"], "width": 1},
                     annotation={"text": f"{name} {cap:g} MiB", "font": {"size": 11}},
                 )
+
+
+def bucket_map_figure(
+    buckets: Any,
+    param_sizes: Mapping[str, int] | None = None,
+    *,
+    cap_mb: float | None = None,
+    first_cap_mb: float | None = None,
+    title: str | None = None,
+    height: int | None = None,
+) -> go.Figure:
+    """Draw the buckets.
+
+    Args:
+        buckets: ``ddp.buckets`` or ``trace.buckets`` (``dplab.Bucket``), dicts, a StepTrace
+            or a DDP.
+        param_sizes: ``{name: bytes}`` in registration order
+            (``dplab.models.param_sizes_of``). With it
+            segments are as wide as the gradients; without it every parameter is one cell and
+            the colour is the bucket order reversed (registration order before any rebuild).
+        cap_mb, first_cap_mb: draw the bucket caps (needs ``param_sizes``).
+    """
+    rows = _rows(buckets)
+    in_buckets = [name for r in rows for name in r["param_names"]]
+    if param_sizes is not None:
+        sizes = dict(param_sizes)
+        missing = [n for n in in_buckets if n not in sizes]
+        if missing:
+            raise ValueError(f"param_sizes has no size for {missing[0]!r} (a bucketed parameter)")
+        order = {name: i for i, name in enumerate(sizes)}
+        color_title = "registration<br>order"
+    else:
+        sizes = None
+        order = {name: i for i, name in enumerate(reversed(in_buckets))}
+        color_title = "bucket order<br>reversed"
+    n_params = len(order)
+
+    bars, labels, totals = _segments(rows, sizes, order)
+
+    fig = go.Figure(
+        go.Bar(
+            orientation="h",
+            base=bars["base"],
+            x=bars["x"],
+            y=bars["y"],
+            text=bars["text"],
+            textposition="inside",
+            insidetextanchor="middle",
+            textangle=0,
+            hovertext=bars["hover"],
+            hoverinfo="text",
+            marker={
+                "color": bars["color"],
+                "colorscale": "Viridis",
+                "cmin": 0,
+                "cmax": max(n_params - 1, 1),
+                "line": {"width": 1, "color": "white"},
+                "colorbar": {"title": {"text": color_title}, "thickness": 12},
+            },
+            showlegend=False,
+        )
+    )
+    _annotate(fig, totals, sizes, cap_mb, first_cap_mb)
     fig.update_yaxes(categoryorder="array", categoryarray=labels, autorange="reversed")
     drawn_caps = [c for c in (cap_mb, first_cap_mb) if c is not None and sizes is not None]
     fig.update_xaxes(range=[0, max([t[1] for t in totals] + drawn_caps) * 1.22])

@@ -15,6 +15,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dplab._checks import check_count, check_nonneg, check_world_size
+from dplab._units import format_size
 from dplab.collectives import (
     REDUCE_SCATTER,
     AlphaBetaFit,
@@ -29,8 +31,6 @@ from dplab.collectives import (
     ring_steps,
     ring_time,
 )
-from dplab.collectives._checks import check_count, check_nonneg, check_world_size
-from dplab.collectives.bench import format_size
 from dplab.viz.style import COLORS, layout
 
 ALGORITHM_COLORS = {
@@ -192,6 +192,62 @@ def describe_ring_step(world_size: int, step: int, numel: int | None = None) -> 
     )
 
 
+def _ring_grid(state: Any, n: int, bounds: Any, numel: int | None) -> go.Figure:
+    """The N×N grid of chunks: whose contributions each rank's copy of each chunk holds."""
+    z = [[len(state[r][c]) for c in range(n)] for r in range(n)]
+    text = [[_contributors_label(state[r][c], n) for c in range(n)] for r in range(n)]
+    hover = [
+        [
+            f"rank {r}, chunk {c}: sum of ranks {sorted(state[r][c])}"
+            + ("" if numel is None else f"<br>elements [{bounds[c][0]}, {bounds[c][1]})")
+            for c in range(n)
+        ]
+        for r in range(n)
+    ]
+    return go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(n)),
+            y=list(range(n)),
+            zmin=1,
+            zmax=n,
+            text=text,
+            texttemplate="%{text}",
+            textfont={"size": 13 if n <= 5 else 10},
+            hovertext=hover,
+            hoverinfo="text",
+            colorscale=[[0.0, "#EEEEEE"], [0.999, "#F9C48A"], [1.0, COLORS["allreduce"]]],
+            showscale=False,
+            xgap=3,
+            ygap=3,
+        )
+    )
+
+
+def _draw_moves(fig: go.Figure, moves: list[Any], n: int, arrow_color: str) -> None:
+    """This step's messages: an outline on the receiving cell and an arrow from the sender."""
+    for t in moves:
+        c = t.chunk
+        fig.add_shape(
+            type="rect",
+            x0=c - 0.5,
+            x1=c + 0.5,
+            y0=t.dst - 0.5,
+            y1=t.dst + 0.5,
+            line={"color": arrow_color, "width": 3},
+        )
+        x = c + 0.3
+        if t.dst == t.src + 1:
+            _arrow(fig, x, t.src + 0.1, t.dst - 0.12, arrow_color)
+        else:  # the wrap-around message: leaves at the bottom, arrives at the top
+            _arrow(fig, x, t.src + 0.1, n - 0.05, arrow_color)
+            _arrow(fig, x, -0.95, t.dst - 0.12, arrow_color)
+            for y, label in ((n - 0.05, f"to rank {t.dst}"), (-0.95, f"from rank {t.src}")):
+                fig.add_annotation(
+                    x=x, y=y, text=label, showarrow=False, xanchor="right", font={"size": 10}
+                )
+
+
 def ring_step_figure(
     world_size: int,
     step: int,
@@ -220,55 +276,9 @@ def ring_step_figure(
     bounds = chunk_bounds(size, n)
     moves = [t for t in ring_schedule(n, size, element_size) if t.step == step]
 
-    z = [[len(state[r][c]) for c in range(n)] for r in range(n)]
-    text = [[_contributors_label(state[r][c], n) for c in range(n)] for r in range(n)]
-    hover = [
-        [
-            f"rank {r}, chunk {c}: sum of ranks {sorted(state[r][c])}"
-            + ("" if numel is None else f"<br>elements [{bounds[c][0]}, {bounds[c][1]})")
-            for c in range(n)
-        ]
-        for r in range(n)
-    ]
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=list(range(n)),
-            y=list(range(n)),
-            zmin=1,
-            zmax=n,
-            text=text,
-            texttemplate="%{text}",
-            textfont={"size": 13 if n <= 5 else 10},
-            hovertext=hover,
-            hoverinfo="text",
-            colorscale=[[0.0, "#EEEEEE"], [0.999, "#F9C48A"], [1.0, COLORS["allreduce"]]],
-            showscale=False,
-            xgap=3,
-            ygap=3,
-        )
-    )
+    fig = _ring_grid(state, n, bounds, numel)
     arrow_color = "#333333" if step and ring_phase(step, n) == REDUCE_SCATTER else "#4C78A8"
-    for t in moves:
-        c = t.chunk
-        fig.add_shape(
-            type="rect",
-            x0=c - 0.5,
-            x1=c + 0.5,
-            y0=t.dst - 0.5,
-            y1=t.dst + 0.5,
-            line={"color": arrow_color, "width": 3},
-        )
-        x = c + 0.3
-        if t.dst == t.src + 1:
-            _arrow(fig, x, t.src + 0.1, t.dst - 0.12, arrow_color)
-        else:  # the wrap-around message: leaves at the bottom, arrives at the top
-            _arrow(fig, x, t.src + 0.1, n - 0.05, arrow_color)
-            _arrow(fig, x, -0.95, t.dst - 0.12, arrow_color)
-            for y, label in ((n - 0.05, f"to rank {t.dst}"), (-0.95, f"from rank {t.src}")):
-                fig.add_annotation(
-                    x=x, y=y, text=label, showarrow=False, xanchor="right", font={"size": 10}
-                )
+    _draw_moves(fig, moves, n, arrow_color)
     sent = sum(
         t.nbytes for t in ring_schedule(n, size, element_size) if t.step <= step and t.src == 0
     )

@@ -12,6 +12,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dplab._units import KIB
 from dplab.viz.style import COLORS, layout
 
 OP_COLORS = {
@@ -26,8 +27,6 @@ RUN_COLORS = {
     "kB, kη": COLORS["exposed"],
     "kB, kη + warm-up": COLORS["optimizer"],
 }
-
-KIB = 1024
 
 
 def traffic_figure(result: Mapping[str, Any], *, title: str | None = None) -> go.Figure:

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dplab._units import GB
 from dplab.memory.fit import Fit, fmt_gb, fmt_params
-from dplab.memory.presets import GB
 from dplab.memory.state import STAGE_LABELS, ZERO_STAGES, state_bytes
 from dplab.viz.style import COLORS, layout
 

@@ -26,6 +26,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dplab._units import MIB
 from dplab.trace import StepTrace
 from dplab.trace.metrics import subtract
 from dplab.viz.style import COLORS, layout
@@ -193,11 +194,101 @@ def _params_text(names: Sequence[str]) -> str:
 def _bytes_text(nbytes: int | None) -> str:
     if nbytes is None:
         return "?"
-    if nbytes >= 1024 * 1024:
+    if nbytes >= MIB:
         return f"{nbytes / 1024 / 1024:,.2f} MiB ({nbytes:,} B)"
     if nbytes >= 1024:
         return f"{nbytes / 1024:,.1f} KiB ({nbytes:,} B)"
     return f"{nbytes:,} B"
+
+
+def _add_bars(
+    fig: go.Figure, bars: dict[str, _Bars], where: dict[str, int], legend_seen: set[str]
+) -> None:
+    """One horizontal bar trace per kind (compute kinds, all-reduce, exposed)."""
+    colors = {**COLORS}
+    for kind, group in bars.items():
+        if not group.x and kind != "allreduce":
+            continue
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                base=group.base,
+                x=group.x,
+                y=group.y,
+                width=BAR_WIDTH,
+                text=group.text,
+                textposition="inside",
+                insidetextanchor="middle",
+                textangle=0,
+                hovertext=group.hover,
+                hoverinfo="text",
+                marker={"color": colors[kind], "line": {"width": 0.5, "color": "white"}},
+                name=KIND_LABELS[kind],
+                legendgroup=kind,
+                showlegend=kind not in legend_seen and bool(group.x),
+            ),
+            **where,
+        )
+        if group.x:
+            legend_seen.add(kind)
+
+
+def _add_ready_marks(
+    fig: go.Figure,
+    ready: tuple[list[float], list[float], list[str]],
+    where: dict[str, int],
+    legend_seen: set[str],
+) -> None:
+    """A triangle where each bucket became ready."""
+    ready_x, ready_y, ready_hover = ready
+    if ready_x:
+        fig.add_trace(
+            go.Scatter(
+                x=ready_x,
+                y=ready_y,
+                mode="markers",
+                marker={"symbol": "triangle-down", "size": 9, "color": COLORS["bucket_ready"]},
+                hovertext=ready_hover,
+                hoverinfo="text",
+                name=KIND_LABELS["bucket_ready"],
+                legendgroup="bucket_ready",
+                showlegend="bucket_ready" not in legend_seen,
+            ),
+            **where,
+        )
+        legend_seen.add("bucket_ready")
+
+
+def _add_predicted(
+    fig: go.Figure,
+    predicted: list[tuple[float, float, float, str]],
+    where: dict[str, int],
+    legend_seen: set[str],
+) -> None:
+    """A dashed line per rank at max(T_compute, T_comm): the step with perfect overlap."""
+    xs: list[float | None] = []
+    ys: list[float | None] = []
+    hovers: list[str | None] = []
+    for x, top, bottom, hover in predicted:
+        xs += [x, x, x, None]
+        ys += [top, (top + bottom) / 2, bottom, None]
+        hovers += [hover, hover, hover, None]
+    fig.add_trace(
+        go.Scatter(
+            x=xs,
+            y=ys,
+            mode="lines+markers",
+            line={"color": COLORS["predicted"], "dash": "dash", "width": 2},
+            marker={"size": 3, "color": COLORS["predicted"]},
+            hovertext=hovers,
+            hoverinfo="text",
+            name=KIND_LABELS["predicted"],
+            legendgroup="predicted",
+            showlegend="predicted" not in legend_seen,
+        ),
+        **where,
+    )
+    legend_seen.add("predicted")
 
 
 def _draw_panel(
@@ -221,7 +312,7 @@ def _draw_panel(
     y = 0.0
     for trace in panel:
         offset = trace.origin_ms - reference if align == "rank0" else 0.0
-        names = {b["index"]: b.get("param_names", []) for b in trace.buckets}
+        names = {b.index: list(b.param_names) for b in trace.buckets}
         m = trace.metrics
         compute_y = y
         tickvals.append(compute_y)
@@ -287,77 +378,53 @@ def _draw_panel(
         )
         y = compute_y + n_rows + 1.6  # a gap between ranks
 
-    colors = {**COLORS}
-    for kind, group in bars.items():
-        if not group.x and kind != "allreduce":
-            continue
-        fig.add_trace(
-            go.Bar(
-                orientation="h",
-                base=group.base,
-                x=group.x,
-                y=group.y,
-                width=BAR_WIDTH,
-                text=group.text,
-                textposition="inside",
-                insidetextanchor="middle",
-                textangle=0,
-                hovertext=group.hover,
-                hoverinfo="text",
-                marker={"color": colors[kind], "line": {"width": 0.5, "color": "white"}},
-                name=KIND_LABELS[kind],
-                legendgroup=kind,
-                showlegend=kind not in legend_seen and bool(group.x),
-            ),
-            **where,
-        )
-        if group.x:
-            legend_seen.add(kind)
-    if ready_x:
-        fig.add_trace(
-            go.Scatter(
-                x=ready_x,
-                y=ready_y,
-                mode="markers",
-                marker={"symbol": "triangle-down", "size": 9, "color": COLORS["bucket_ready"]},
-                hovertext=ready_hover,
-                hoverinfo="text",
-                name=KIND_LABELS["bucket_ready"],
-                legendgroup="bucket_ready",
-                showlegend="bucket_ready" not in legend_seen,
-            ),
-            **where,
-        )
-        legend_seen.add("bucket_ready")
+    _add_bars(fig, bars, where, legend_seen)
+    _add_ready_marks(fig, (ready_x, ready_y, ready_hover), where, legend_seen)
     if show_predicted:
-        xs: list[float | None] = []
-        ys: list[float | None] = []
-        hovers: list[str | None] = []
-        for x, top, bottom, hover in predicted:
-            xs += [x, x, x, None]
-            ys += [top, (top + bottom) / 2, bottom, None]
-            hovers += [hover, hover, hover, None]
-        fig.add_trace(
-            go.Scatter(
-                x=xs,
-                y=ys,
-                mode="lines+markers",
-                line={"color": COLORS["predicted"], "dash": "dash", "width": 2},
-                marker={"size": 3, "color": COLORS["predicted"]},
-                hovertext=hovers,
-                hoverinfo="text",
-                name=KIND_LABELS["predicted"],
-                legendgroup="predicted",
-                showlegend="predicted" not in legend_seen,
-            ),
-            **where,
-        )
-        legend_seen.add("predicted")
+        _add_predicted(fig, predicted, where, legend_seen)
     return tickvals, ticktext
 
 
 def _lanes(panel: Sequence[StepTrace]) -> float:
     return sum(2 + max(comm_rows(t), default=0) + 0.6 for t in panel)
+
+
+def _subplots(
+    panels: list[list[StepTrace]],
+    titles: list[str],
+    *,
+    arrange: str,
+    shared_time: bool,
+    height: int | None,
+) -> tuple[go.Figure, list[dict[str, int]], int]:
+    """The empty figure: one subplot per panel, sized by its lanes; its cells and height."""
+    lanes = [_lanes(p) for p in panels]
+    n = len(panels)
+    gap_px = 95  # between stacked panels: the time axis' labels, then the next panel's title
+    if height is None:
+        per_panel = ROW_PX * (sum(lanes) if arrange == "stack" else max(lanes))
+        height = int(max(300, per_panel + gap_px * (n - 1 if arrange == "stack" else 0) + 220))
+    plot_px = max(height - 220, 1)  # the margins and legend take the rest
+    if arrange == "stack":
+        fig = make_subplots(
+            rows=n,
+            cols=1,
+            shared_xaxes=shared_time,
+            row_heights=[x / sum(lanes) for x in lanes],
+            subplot_titles=titles,
+            vertical_spacing=min(gap_px / plot_px, 0.5 / n) if n > 1 else 0.0,
+        )
+        cells = [{"row": i + 1, "col": 1} for i in range(n)]
+    else:
+        fig = make_subplots(
+            rows=1,
+            cols=n,
+            shared_xaxes=shared_time,
+            subplot_titles=titles,
+            horizontal_spacing=min(0.08, 0.4 / n) if n > 1 else 0.0,
+        )
+        cells = [{"row": 1, "col": i + 1} for i in range(n)]
+    return fig, cells, height
 
 
 def timeline_figure(
@@ -397,32 +464,10 @@ def timeline_figure(
         if panel_titles is not None
         else [f"{describe_step(p[0])}<br><sup>{summary_line(p)}</sup>" for p in panels]
     )
-    lanes = [_lanes(p) for p in panels]
+    fig, cells, height = _subplots(
+        panels, titles, arrange=arrange, shared_time=shared_time, height=height
+    )
     n = len(panels)
-    gap_px = 95  # between stacked panels: the time axis' labels, then the next panel's title
-    if height is None:
-        per_panel = ROW_PX * (sum(lanes) if arrange == "stack" else max(lanes))
-        height = int(max(300, per_panel + gap_px * (n - 1 if arrange == "stack" else 0) + 220))
-    plot_px = max(height - 220, 1)  # the margins and legend take the rest
-    if arrange == "stack":
-        fig = make_subplots(
-            rows=n,
-            cols=1,
-            shared_xaxes=shared_time,
-            row_heights=[x / sum(lanes) for x in lanes],
-            subplot_titles=titles,
-            vertical_spacing=min(gap_px / plot_px, 0.5 / n) if n > 1 else 0.0,
-        )
-        cells = [{"row": i + 1, "col": 1} for i in range(n)]
-    else:
-        fig = make_subplots(
-            rows=1,
-            cols=n,
-            shared_xaxes=shared_time,
-            subplot_titles=titles,
-            horizontal_spacing=min(0.08, 0.4 / n) if n > 1 else 0.0,
-        )
-        cells = [{"row": 1, "col": i + 1} for i in range(n)]
     legend_seen: set[str] = set()
     for panel, where in zip(panels, cells, strict=True):
         tickvals, ticktext = _draw_panel(

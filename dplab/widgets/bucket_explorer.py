@@ -18,11 +18,12 @@ from typing import Any
 import ipywidgets as w
 import plotly.graph_objects as go
 
-from dplab.ddp.buckets import check_cap_mb
-from dplab.experiments import measure_ddp, traces
+from dplab._checks import check_world_size as _check_world_size
+from dplab.ddp import first_bucket_cap, measure_ddp
+from dplab.ddp.buckets import DEFAULT_FIRST_BUCKET_CAP_MB, check_cap_mb
 from dplab.launch import Cluster, RankError, RankTimeout
 from dplab.models import MODELS
-from dplab.trace import StepTrace
+from dplab.trace import StepTrace, last_steps
 from dplab.viz.timeline import timeline_figure
 from dplab.widgets._common import (
     cap_options,
@@ -35,18 +36,17 @@ from dplab.widgets._common import (
     status_html,
 )
 
-FIRST_BUCKET_CAP_MB = 1.0
 MAX_WORLD_SIZE = 8
 _STYLE = {"description_width": "90px"}
 
 
 def check_world_size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORLD_SIZE:
-        raise ValueError(
-            f"world size must be a whole number in 1..{MAX_WORLD_SIZE} (each rank is a process "
-            f"on this machine), got {value!r}"
-        )
-    return value
+    return _check_world_size(
+        value,
+        maximum=MAX_WORLD_SIZE,
+        name="world size",
+        why="each rank is a process on this machine",
+    )
 
 
 def check_model(value: Any) -> str:
@@ -155,7 +155,7 @@ class BucketExplorer(w.VBox):
         )
         note = w.HTML(
             "<span style='color:#555'>Each change runs real DDP steps on this machine's ranks "
-            f"(first bucket: min(cap, {FIRST_BUCKET_CAP_MB:g} MiB)).</span>"
+            f"(first bucket: min(cap, {DEFAULT_FIRST_BUCKET_CAP_MB:g} MiB)).</span>"
         )
         super().__init__(
             [
@@ -279,13 +279,13 @@ class BucketExplorer(w.VBox):
                 measure_ddp,
                 model,
                 bucket_cap_mb=cap,
-                first_bucket_cap_mb=min(cap, FIRST_BUCKET_CAP_MB),
+                first_bucket_cap_mb=first_bucket_cap(cap),
                 steps=self.steps,
                 warmup=self.warmup,
                 batch_size=self.batch_size,
             )
             self.progress.value = 2
-            step = [rank_steps[-1] for rank_steps in traces(results)]
+            step = last_steps(results)
             fig = timeline_figure(step)
             show_figure(self.figure, fig)
             self.traces = step

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 
 from dplab.memory.activations import RECOMPUTE
 from dplab.memory.fit import Fit, fits, fmt_gb, fmt_params
-from dplab.memory.presets import GPUS, MODELS
+from dplab.memory.presets import GPUS, LLM_SHAPES
 from dplab.memory.recipes import OPTIMIZER_LABELS, PRECISION_LABELS
 from dplab.memory.state import STAGE_LABELS
 from dplab.viz.memory import fit_figure
@@ -48,7 +48,7 @@ class MemoryWall(w.VBox):
         self.model = w.Dropdown(
             options=[
                 (f"{m.name} ({fmt_params(m.n_params).removesuffix(' params')})", k)
-                for k, m in MODELS.items()
+                for k, m in LLM_SHAPES.items()
             ]
             + [("custom parameter count", CUSTOM)],
             value=model,

@@ -12,7 +12,6 @@ per-GPU batch). It is labelled as such wherever it shows.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from numbers import Real
@@ -20,76 +19,28 @@ from numbers import Real
 import ipywidgets as w
 import plotly.graph_objects as go
 
+from dplab._units import GB, MIB
+from dplab.ddp import first_bucket_cap
 from dplab.ddp.buckets import check_cap_mb
 from dplab.sim import (
     LINK_NAMES,
+    WORLD_SIZES,
     BackwardProfile,
     Link,
+    crossover_world_size,
+    faster_compute,
     get_link,
     simulate,
+    verdict,
 )
-from dplab.trace import StepTrace
-from dplab.viz.sweep import best_cap, sweep_figure, sweep_row
+from dplab.trace import StepTrace, best_cap, sweep_row
+from dplab.viz.sweep import sweep_figure
 from dplab.viz.timeline import timeline_figure
 from dplab.widgets._common import CAPS_MB, cap_options, classed, error_html, show_figure
 
 CUSTOM = "custom"
-WORLD_SIZES = tuple(2**k for k in range(11))  # 1 .. 1,024
 SPEEDUPS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
-GB = 1e9
 _STYLE = {"description_width": "130px"}
-
-
-def faster_compute(profile: BackwardProfile, speedup: float) -> BackwardProfile:
-    """The profile with every compute time divided by ``speedup`` (a what-if, not a
-    measurement; the meta says so)."""
-    if isinstance(speedup, bool) or not isinstance(speedup, Real) or not speedup > 0:
-        raise ValueError(f"compute speed-up must be a number > 0, got {speedup!r}")
-    if speedup == 1:
-        return profile
-    k = float(speedup)
-    return dataclasses.replace(
-        profile,
-        params=tuple(dataclasses.replace(p, ready_ms=p.ready_ms / k) for p in profile.params),
-        forward_ms=profile.forward_ms / k,
-        backward_ms=profile.backward_ms / k,
-        optimizer_ms=profile.optimizer_ms / k,
-        meta={**profile.meta, "compute_speedup": k},
-    )
-
-
-def comm_time_ms(profile: BackwardProfile, link: Link, world_size: int) -> float:
-    """All-reduce time of every gradient, bucketed or not (bandwidth term), on ``link``:
-    the least communication a step of this model can have, at this world size."""
-    return link.allreduce_s(profile.total_bytes, world_size) * 1e3
-
-
-def crossover_world_size(
-    profile: BackwardProfile, link: Link, sizes: tuple[int, ...] = WORLD_SIZES
-) -> int | None:
-    """The smallest world size in ``sizes`` at which even one all-reduce of all the gradients
-    takes longer than the step's compute: from there on no overlap can hide the comm."""
-    compute = profile.forward_ms + profile.backward_ms + profile.optimizer_ms
-    for n in sizes:
-        if n > 1 and comm_time_ms(profile, link, n) > compute:
-            return n
-    return None
-
-
-def verdict(trace: StepTrace) -> str:
-    """Compute-bound or comms-bound, in words and numbers."""
-    m = trace.metrics
-    if m.t_comm_ms >= m.t_compute_ms:
-        kind = "comms-bound: T_comm ≥ T_compute, no bucketing can hide it"
-    elif m.exposed_comm_ms > 0.05 * m.t_step_ms:
-        kind = "compute-bound, but part of the comm is exposed"
-    else:
-        kind = "compute-bound, comm hidden under backward"
-    return (
-        f"{kind}. Step {m.t_step_ms:,.1f} ms; T_compute {m.t_compute_ms:,.1f} ms, "
-        f"T_comm {m.t_comm_ms:,.1f} ms, exposed {m.exposed_comm_ms:,.1f} ms "
-        f"({len(trace.buckets)} buckets)."
-    )
 
 
 class OverlapExplorer(w.VBox):
@@ -108,7 +59,7 @@ class OverlapExplorer(w.VBox):
         links: Mapping[str, Link] | None = None,
         world_size: int = 8,
         bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
+        first_bucket_cap_mb: float | None = None,
         compute_speedup: float = 1,
         contention: bool = False,
     ):
@@ -125,7 +76,8 @@ class OverlapExplorer(w.VBox):
         if world_size not in WORLD_SIZES:
             raise ValueError(f"world_size must be one of {WORLD_SIZES}, got {world_size!r}")
         cap = check_cap_mb("bucket_cap_mb", bucket_cap_mb)
-        self.first_bucket_cap_mb = check_cap_mb("first_bucket_cap_mb", first_bucket_cap_mb)
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+        first_bucket_cap(cap, first_bucket_cap_mb)  # checks it
         faster_compute(profile, compute_speedup)  # checks it
         if compute_speedup not in SPEEDUPS:
             raise ValueError(f"compute_speedup must be one of {SPEEDUPS}, got {compute_speedup!r}")
@@ -294,14 +246,14 @@ class OverlapExplorer(w.VBox):
         trace = simulate(
             profile,
             bucket_cap_mb=cap,
-            first_bucket_cap_mb=min(cap, self.first_bucket_cap_mb),
+            first_bucket_cap_mb=first_bucket_cap(cap, self.first_bucket_cap_mb),
             **kwargs,
         )
         sweep_traces = [
             simulate(
                 profile,
                 bucket_cap_mb=c,
-                first_bucket_cap_mb=min(c, self.first_bucket_cap_mb),
+                first_bucket_cap_mb=first_bucket_cap(c, self.first_bucket_cap_mb),
                 **kwargs,
             )
             for c in CAPS_MB
@@ -322,7 +274,7 @@ class OverlapExplorer(w.VBox):
             f"{self.link.source or '—'}</span>"
         )
         cross = (
-            f"On this link one all-reduce of all {profile.total_bytes / 2**20:,.1f} MiB of "
+            f"On this link one all-reduce of all {profile.total_bytes / MIB:,.1f} MiB of "
             f"gradients outlasts the step's compute from N = {crossing:,} on."
             if crossing
             else "Up to 1,024 ranks, one all-reduce of all gradients stays shorter than the "

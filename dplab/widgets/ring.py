@@ -10,11 +10,11 @@ tests check that schedule against what real ranks send.
 from __future__ import annotations
 
 import html
-from typing import Any
 
 import ipywidgets as w
 from IPython.display import display
 
+from dplab._checks import check_int_in
 from dplab.collectives import ring_steps
 from dplab.viz.collectives import ring_step_figure
 
@@ -23,10 +23,7 @@ MAX_WORLD_SIZE = 8
 MAX_NUMEL = 10**9
 
 
-def _check(name: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name} must be a whole number in {lo}..{hi:,}, got {value!r}")
-    return value
+_check = check_int_in
 
 
 class RingStepper(w.VBox):

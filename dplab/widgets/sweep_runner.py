@@ -16,14 +16,16 @@ from typing import Any
 import ipywidgets as w
 import plotly.graph_objects as go
 
+from dplab._units import KIB, MIB
 from dplab.collectives import fit_alpha_beta, geometric_sizes, measure_bandwidth
+from dplab.ddp import first_bucket_cap, measure_ddp
 from dplab.ddp.buckets import check_cap_mb
-from dplab.experiments import measure_ddp, traces
 from dplab.launch import Cluster, RankError, RankTimeout
 from dplab.models import MODELS
 from dplab.sim import Link, loopback_link, measure_profile
 from dplab.sim import simulate as simulate_step
-from dplab.viz.sweep import sweep_figure, sweep_row
+from dplab.trace import sweep_row
+from dplab.viz.sweep import sweep_figure
 from dplab.widgets._common import (
     CAPS_MB,
     classed,
@@ -35,7 +37,6 @@ from dplab.widgets._common import (
     status_html,
 )
 
-FIRST_BUCKET_CAP_MB = 1.0
 MAX_CAPS = 20
 MAX_REPEATS = 10
 DEFAULT_CAPS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 25.0)
@@ -72,7 +73,7 @@ def measured_link(cluster: Cluster, *, use_saved: bool = True) -> Link:
             return loopback_link()
         except (FileNotFoundError, ValueError):
             pass
-    sizes = geometric_sizes(4 * 1024, 16 * 1024 * 1024, 4)
+    sizes = geometric_sizes(4 * KIB, 16 * MIB, 4)
     rows = measure_bandwidth(cluster=cluster, sizes=sizes, repeats=3, warmup=1)
     fit = fit_alpha_beta([r.size_bytes for r in rows], [r.time_s for r in rows], rows[0].world_size)
     return Link.from_beta(
@@ -224,12 +225,12 @@ class SweepRunner(w.VBox):
                         measure_ddp,
                         model,
                         bucket_cap_mb=cap,
-                        first_bucket_cap_mb=min(cap, FIRST_BUCKET_CAP_MB),
+                        first_bucket_cap_mb=first_bucket_cap(cap),
                         steps=self.steps,
                         warmup=1,
                         batch_size=batch,
                     )
-                    rows += [sweep_row(t, repeat=r) for rank in traces(results) for t in rank]
+                    rows += [sweep_row(t, repeat=r) for rank in results for t in rank]
                     self._tick(f"measured cap {cap:g} MiB, repeat {r + 1}")
             sim_rows: list[dict[str, Any]] = []
             if simulate:
@@ -250,7 +251,7 @@ class SweepRunner(w.VBox):
                         simulate_step(
                             profile,
                             bucket_cap_mb=c,
-                            first_bucket_cap_mb=min(c, FIRST_BUCKET_CAP_MB),
+                            first_bucket_cap_mb=first_bucket_cap(c),
                             world_size=self.world_size,
                             link=link,
                             contention=profile.contention,

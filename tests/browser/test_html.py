@@ -15,7 +15,7 @@ from typing import Any
 import nbformat
 import pytest
 
-from dplab.html import index_html, lesson_paths, replace_widgets, title_of
+from dplab.cli.html import index_html, lesson_paths, replace_widgets, title_of
 from tests.browser.lab import NOTEBOOKS, REPO, new_page
 
 # A lesson with plotly figures and a widget: the page shows both kinds of output done offline.

@@ -18,9 +18,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     import dplab
-    from dplab.collectives.bench import machine_info
-    from dplab.experiments import measure_ddp, traces
-    from dplab.launch import in_torchrun
+    from dplab.ddp import measure_ddp
+    from dplab.env import in_torchrun, machine_info
+    from dplab.trace import last_steps
     from dplab.trace.files import save_run, write_atomic
 
     world_size = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.world_size
@@ -38,7 +38,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     )
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
-    steps = traces(results)
+    steps = results
     command = "python -m dplab trace " + " ".join(args.argv)
     meta = {
         "command": command,
@@ -56,7 +56,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from dplab.viz.timeline import timeline_figure
 
     fig = timeline_figure(
-        [rank_steps[-1] for rank_steps in steps],
+        last_steps(steps),
         title=f"{args.model}, {world_size} ranks, bucket cap {args.bucket_cap_mb} MiB",
     )
     paths["html"] = write_atomic(
@@ -76,7 +76,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    from dplab.experiments import VARIANTS
+    from dplab.ddp import VARIANTS
     from dplab.models import MODELS
 
     p = sub.add_parser("trace", help="measure traced DDP steps; write JSON, Chrome trace, HTML")

@@ -12,7 +12,7 @@ import sys
 
 from dplab.memory.activations import RECOMPUTE
 from dplab.memory.fit import fits, fmt_gb
-from dplab.memory.presets import GPUS, MODELS
+from dplab.memory.presets import GPUS, LLM_SHAPES
 from dplab.memory.recipes import (
     OPTIMIZER_LABELS,
     OPTIMIZERS,
@@ -74,7 +74,7 @@ def report(args: argparse.Namespace) -> str:
 def cmd_memory(args: argparse.Namespace) -> int:
     if args.list:
         print("models:")
-        for m in MODELS.values():
+        for m in LLM_SHAPES.values():
             print(f"  {m.key:<14}{m.name:<18}{m.n_params:>18,} parameters")
         print("gpus:")
         for g in GPUS.values():
@@ -103,7 +103,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="llama2-7b", choices=list(MODELS))
+    p.add_argument("--model", default="llama2-7b", choices=list(LLM_SHAPES))
     p.add_argument("--params", type=_count, help="a bare parameter count instead of --model")
     p.add_argument("--gpu", default="h100-80gb", choices=list(GPUS))
     p.add_argument("--precision", default="mixed", choices=list(PRECISIONS))

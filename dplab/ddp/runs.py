@@ -1,58 +1,51 @@
-"""Rank functions that the notebooks, widgets, CLI and benchmarks launch.
+"""Rank functions that train and trace DDP steps (what notebooks, widgets and the CLI launch).
 
 Each runs on every rank (inside :func:`dplab.launch` or a :class:`dplab.Cluster`) and returns
-plain data: lists of ``StepTrace.to_dict()`` and numbers, which travel back to the caller cheaply.
-``traces(results)`` turns what the ranks returned into ``StepTrace`` objects again.
+typed values (``StepTrace`` objects), which pickle back to the caller as they are: the caller
+gets per-rank lists of ``StepTrace`` with no conversion step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dplab.ddp import DDP, NaiveDDP, PerParameterDDP
+from dplab._checks import check_choice, check_count, check_positive_int
+from dplab.ddp.accumulate import accumulate
+from dplab.ddp.ddp import DDP, NaiveDDP, PerParameterDDP
 from dplab.launch import device as rank_device
 from dplab.models import MODELS, make_batch, make_model
-from dplab.trace import StepTrace, Tracer
+from dplab.trace import StepMetrics, StepTrace, Tracer
 
 VARIANTS = {"bucketed": DDP, "per_parameter": PerParameterDDP, "naive": NaiveDDP}
 
 
 def _check(model: str, variant: str, steps: int, warmup: int, micro_batches: int) -> None:
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    if steps < 1 or warmup < 0 or micro_batches < 1:
-        raise ValueError(
-            f"need steps >= 1, warmup >= 0, micro_batches >= 1; got steps={steps}, "
-            f"warmup={warmup}, micro_batches={micro_batches}"
-        )
+    check_choice("model", model, MODELS)
+    check_choice("variant", variant, VARIANTS)
+    check_positive_int("steps", steps)
+    check_count("warmup", warmup)
+    check_positive_int("micro_batches", micro_batches)
 
 
 def wrap(module: nn.Module, variant: str, tracer: Tracer | None, **ddp_kwargs: Any) -> DDP:
-    """``module`` in the DDP of ``variant`` (bucketed, per_parameter or naive)."""
-    cls = VARIANTS[variant]
-    if cls is not DDP:
-        ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if "cap" not in k}
-    return cls(module, tracer=tracer, **ddp_kwargs)
+    """``module`` in the DDP of ``variant`` (bucketed, per_parameter or naive).
+
+    Every variant takes DDP's arguments: the per-parameter and naive ones accept the bucket caps
+    and ignore them (one tensor per all-reduce), so nothing is filtered here.
+    """
+    return VARIANTS[variant](module, tracer=tracer, **ddp_kwargs)
 
 
 def train_step(ddp: nn.Module, opt: torch.optim.Optimizer, x, y, micro_batches: int) -> float:
     """One optimizer step over ``micro_batches`` micro-batches, all but the last under no_sync."""
-    total = 0.0
-    xs, ys = x.chunk(micro_batches), y.chunk(micro_batches)
-    for i, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
-        quiet = ddp.no_sync() if i < micro_batches - 1 else contextlib.nullcontext()
-        with quiet:
-            loss = ddp(xm, ym) / micro_batches
-            loss.backward()
-        total += loss.item()
+    batches = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
+    total = accumulate(ddp, batches)
     opt.step()
     opt.zero_grad(set_to_none=False)
     return total
@@ -70,8 +63,8 @@ def measure_ddp(
     micro_batches: int = 1,
     rebuild_buckets: bool = False,
     seed: int = 0,
-) -> list[dict[str, Any]]:
-    """Train ``steps`` traced steps after ``warmup`` ones; return this rank's StepTrace dicts.
+) -> list[StepTrace]:
+    """Train ``steps`` traced steps after ``warmup`` ones; return this rank's traced steps.
 
     ``batch_size`` is the local batch of each rank (B_local); each rank draws its own data.
     """
@@ -101,12 +94,26 @@ def measure_ddp(
             tracer.clear()
         x, y = make_batch(model, batch_size, seed=seed + 1000 * step + rank)
         train_step(ddp, opt, x.to(dev), y.to(dev), micro_batches)
-    return [s.to_dict() for s in tracer.steps]
+    return list(tracer.steps)
 
 
-def traces(results: list[list[dict[str, Any]]]) -> list[list[StepTrace]]:
-    """Per-rank lists of dicts (as the ranks return them) → per-rank lists of StepTrace."""
-    return [[StepTrace.from_dict(d) for d in rank_steps] for rank_steps in results]
+@dataclass
+class TorchComparison:
+    """One rank's side-by-side of dplab.DDP and torch DDP (see :func:`compare_with_torch`).
+
+    ``grad_diff``: the first step's largest gradient difference; ``step_ms``: each side's step
+    times (``"dplab"``, ``"torch"``); ``dplab_traces``: dplab's traced steps; ``torch_logging_ms``:
+    torch's own logging fields for the same iterations, in ms.
+    """
+
+    grad_diff: float
+    step_ms: dict[str, list[float]]
+    dplab_traces: list[StepTrace]
+    torch_logging_ms: list[dict[str, float]]
+
+    @property
+    def dplab_metrics(self) -> list[StepMetrics]:
+        return [t.metrics for t in self.dplab_traces]
 
 
 TORCH_LOGGING_FIELDS = (
@@ -124,7 +131,7 @@ def compare_with_torch(
     steps: int = 6,
     batch_size: int = 8,
     seed: int = 0,
-) -> dict[str, Any]:
+) -> TorchComparison:
     """dplab.DDP and torch DDP on the same model, same caps, steps interleaved one by one.
 
     Returns the first step's largest gradient difference, each side's step times, dplab's
@@ -180,11 +187,9 @@ def compare_with_torch(
             times[name].append((time.perf_counter() - t0) * 1e3)
         data = theirs._get_ddp_logging_data()
         logged.append({f: data.get(f, 0) / 1e6 for f in TORCH_LOGGING_FIELDS})
-    dplab_steps = tracer.steps[1:]
-    return {
-        "grad_diff": grad_diff,
-        "step_ms": times,
-        "dplab_metrics": [s.metrics.to_dict() for s in dplab_steps],
-        "dplab_traces": [s.to_dict() for s in dplab_steps],
-        "torch_logging_ms": logged,
-    }
+    return TorchComparison(
+        grad_diff=grad_diff,
+        step_ms=times,
+        dplab_traces=list(tracer.steps[1:]),
+        torch_logging_ms=logged,
+    )

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dplab.ddp import first_bucket_cap
 from dplab.exercises.checks import FAILED, NOT_ATTEMPTED, PASSED, CheckResult
 from dplab.sim import PRESETS, BackwardProfile, Link, ParamTiming, simulate
 from dplab.trace import StepTrace
@@ -84,7 +85,7 @@ def cases(profile: BackwardProfile | None = None, *, seed: int = 0) -> list[Case
                     trace = simulate(
                         p,
                         bucket_cap_mb=cap,
-                        first_bucket_cap_mb=min(cap, 1.0),
+                        first_bucket_cap_mb=first_bucket_cap(cap),
                         world_size=n,
                         link=link,
                     )

@@ -1,4 +1,4 @@
-"""``python -m dplab profile`` (measure a profile) and ``python -m dplab simulate`` (use one)."""
+"""``python -m dplab simulate``: predict a DDP step from a saved profile and a link."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import argparse
 import json
 import sys
 
-from dplab.sim.engine import best_bucket_cap, simulate
-from dplab.sim.link import LINK_NAMES, get_link
-from dplab.sim.profile import BackwardProfile, measure_profile
+from dplab._units import MIB
+from dplab.sim import LINK_NAMES, BackwardProfile, best_bucket_cap, get_link, simulate
 
 
-def _fail(message: str) -> int:
+def fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
 
@@ -34,15 +33,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         profile = BackwardProfile.load(args.profile)
     except FileNotFoundError:
-        return _fail(f"no profile at {args.profile} (make one with `python -m dplab profile`)")
+        return fail(f"no profile at {args.profile} (make one with `python -m dplab profile`)")
     except (ValueError, json.JSONDecodeError) as e:
-        return _fail(f"{args.profile}: {e}")
+        return fail(f"{args.profile}: {e}")
     try:
         link = get_link(args.link)
         contention = None
         if args.contention:
             if profile.contention is None:
-                return _fail(f"{args.profile} has no measured contention")
+                return fail(f"{args.profile} has no measured contention")
             contention = profile.contention
         trace = simulate(
             profile,
@@ -68,14 +67,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             contention=contention,
         )
     except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
+        return fail(str(e))
     n_buckets = len(trace.buckets)
     print(
         f"simulated {profile.model} on {link.describe()}\n"
         f"{args.world_size:,} ranks, bucket cap {args.bucket_cap_mb:g} MiB "
         f"(first {args.first_bucket_cap_mb:g} MiB): {n_buckets} bucket"
         f"{'s' if n_buckets != 1 else ''}, "
-        f"{profile.total_bytes / 2**20:,.1f} MiB of gradients"
+        f"{profile.total_bytes / MIB:,.1f} MiB of gradients"
         + (", with measured contention" if contention else "")
     )
     print(format_metrics(trace))
@@ -88,43 +87,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"trace": trace.to_dict(), "best_bucket_cap_mb": best}, f, indent=1)
         print(f"wrote {args.json}")
-    return 0
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    """Measure a BackwardProfile on real ranks and save it as JSON."""
-    command = "python -m dplab " + " ".join(sys.argv[1:]) if sys.argv[1:] else "python -m dplab"
-    print(
-        f"profiling {args.model} on {args.world_size} ranks: {args.steps} timed steps "
-        f"after {args.warmup} warm-up ...",
-        flush=True,
-    )
-    try:
-        profile = measure_profile(
-            args.model,
-            world_size=args.world_size,
-            batch_size=args.batch_size,
-            steps=args.steps,
-            warmup=args.warmup,
-            contention_repeats=args.contention_repeats,
-            command=command,
-        )
-    except ValueError as e:
-        return _fail(str(e))
-    profile.save(args.out)
-    print(
-        f"{len(profile.params)} parameters, {profile.total_bytes / 2**20:,.2f} MiB of gradients; "
-        f"forward {profile.forward_ms:,.1f} ms, backward {profile.backward_ms:,.1f} ms, "
-        f"optimizer {profile.optimizer_ms:,.1f} ms"
-    )
-    if profile.contention:
-        c = profile.contention
-        print(
-            f"contention: while an all-reduce runs beside it, backward runs at "
-            f"1/{1 + c.compute_slowdown:.2f} of its speed; the all-reduce pays "
-            f"{c.alpha_factor:.1f}x α and {c.beta_factor:.1f}x β"
-        )
-    print(f"wrote {args.out}")
     return 0
 
 
@@ -142,18 +104,3 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", help="also save the predicted StepTrace here")
     p.set_defaults(func=cmd_simulate)
-
-    q = sub.add_parser("profile", help="measure a model's backward profile on real ranks")
-    q.add_argument("--model", default="tiny-gpt")
-    q.add_argument("--out", required=True, help="where to write the profile JSON")
-    q.add_argument("--world-size", type=int, default=2)
-    q.add_argument("--batch-size", type=int, default=8)
-    q.add_argument("--steps", type=int, default=8)
-    q.add_argument("--warmup", type=int, default=2)
-    q.add_argument(
-        "--contention-repeats",
-        type=int,
-        default=5,
-        help="repeats of the contention probe (0: skip it)",
-    )
-    q.set_defaults(func=cmd_profile)

@@ -1,0 +1,89 @@
+"""``python -m dplab bandwidth``: all-reduce time against size on N ranks, with an α-β fit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dplab._checks import check_world_size
+from dplab._units import KIB, MIB, format_size
+from dplab.collectives import (
+    ALGORITHMS,
+    bandwidth_report,
+    fit_rows,
+    format_fit,
+    format_table,
+    geometric_sizes,
+    measure_bandwidth,
+)
+
+
+def cmd_bandwidth(args: argparse.Namespace) -> int:
+    """Measure all-reduce time against size, fit α-β, print; optionally save JSON and a plot."""
+    if args.max_size_mb <= 0 or args.min_size_kb <= 0:
+        print(
+            f"sizes must be > 0, got --min-size-kb {args.min_size_kb} "
+            f"--max-size-mb {args.max_size_mb}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        check_world_size(args.world_size, minimum=2)
+        sizes = geometric_sizes(
+            int(args.min_size_kb * KIB), int(args.max_size_mb * MIB), args.factor
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"all-reduce bandwidth on {args.world_size} ranks ({args.backend}), "
+        f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
+        f"{args.repeats} repeats ...",
+        flush=True,
+    )
+    rows = measure_bandwidth(
+        args.world_size,
+        sizes=sizes,
+        algorithms=args.algorithms,
+        repeats=args.repeats,
+        backend=args.backend,
+    )
+    print(format_table(rows))
+    fits = fit_rows(rows)
+    for (a, _), f in sorted(fits.items()):
+        print(format_fit(a, f))
+    command = "python -m dplab " + " ".join(sys.argv[1:]) if sys.argv[1:] else "python -m dplab"
+    if args.out:
+        from dplab.env import resolve_backend
+
+        backend = resolve_backend(args.backend, args.world_size)
+        with open(args.out, "w") as f:
+            json.dump(bandwidth_report(rows, command=command, backend=backend), f, indent=1)
+        print(f"wrote {args.out}")
+    if args.html:
+        from dplab.viz.collectives import bandwidth_figure
+
+        bandwidth_figure(rows, fits).write_html(args.html, include_plotlyjs=True)
+        print(f"wrote {args.html}")
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bandwidth", help="all-reduce time vs size on N ranks, with an α-β fit")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--min-size-kb", type=float, default=1.0, help="smallest size, KiB")
+    p.add_argument("--max-size-mb", type=float, default=256.0, help="largest size, MiB")
+    p.add_argument("--factor", type=int, default=4, help="each size is FACTOR times the last")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=["all_reduce"],
+        choices=list(ALGORITHMS),
+        help="all_reduce (torch.distributed), ring and naive (this module, from send/recv)",
+    )
+    p.add_argument("--out", help="save rows, fits and machine as JSON here")
+    p.add_argument("--html", help="save the plot as a self-contained HTML file here")
+    p.set_defaults(func=cmd_bandwidth)

@@ -300,3 +300,92 @@ def test_bad_calls_name_the_value():
     with pytest.raises(ValueError, match=r"a measured time must be > 0 s, got -1\.0"):
         Fabric.fit([{"size_bytes": 8, "time_s": -1.0}, {"size_bytes": 16, "time_s": 1.0}])
     assert math.isfinite(fab.allreduce_s(2**40))
+
+
+# --- the simulator on a fabric ----------------------------------------------------------------
+
+
+def _profile():
+    from dplab.sim import BackwardProfile, ParamTiming
+
+    sizes = [4 * 2**20] * 24 + [2**16] * 40  # 24 big matrices, 40 small vectors
+    k = len(sizes)
+    params = tuple(
+        ParamTiming(f"p{i}", s // 4, s, "float32", 50.0 * (k - i) / k) for i, s in enumerate(sizes)
+    )
+    return BackwardProfile("synthetic", params, forward_ms=20.0, backward_ms=50.0, optimizer_ms=2)
+
+
+def test_simulate_times_each_bucket_with_the_fabric():
+    from dplab.sim import simulate
+
+    fab = Fabric.preset("dgx-h100", nodes=128)
+    trace = simulate(_profile(), bucket_cap_mb=10, fabric=fab)
+    assert trace.world_size == 1024 and trace.meta["fabric"] is True
+    spans = [s for s in trace.spans if s.kind == "allreduce"]
+    assert len(spans) == len(trace.buckets) > 1
+    for s, b in zip(sorted(spans, key=lambda s: s.bucket), trace.buckets, strict=True):
+        assert s.end_ms - s.start_ms == pytest.approx(fab.allreduce_s(b["nbytes"]) * 1e3)
+
+
+def test_best_bucket_cap_on_a_fabric_is_the_sweeps_best():
+    from dplab.sim import best_bucket_cap, candidate_caps, sweep
+
+    prof, fab = _profile(), Fabric.preset("aws-p4d", nodes=64)
+    best = best_bucket_cap(prof, fabric=fab)
+    steps = {
+        c: t.metrics.t_step_ms
+        for c, t in zip(
+            candidate_caps(prof), sweep(prof, candidate_caps(prof), fabric=fab), strict=True
+        )
+    }
+    assert steps[best] == min(steps.values())
+
+
+def test_simulate_takes_one_network():
+    from dplab.sim import get_link, simulate
+
+    fab = Fabric.preset("dgx-a100", nodes=2)
+    with pytest.raises(ValueError, match="world_size 8 does not match"):
+        simulate(_profile(), fabric=fab, world_size=8)
+    with pytest.raises(ValueError, match="exactly one of link"):
+        simulate(_profile(), fabric=fab, link=get_link("ib-400g"))
+    with pytest.raises(ValueError, match="world_size is required with a link"):
+        simulate(_profile(), link=get_link("ib-400g"))
+
+
+def test_cli_simulate_on_a_preset(capsys):
+    from dplab.cli import main
+
+    assert main(["simulate", "--preset", "aws-p5", "--nodes", "16", "--model", "gpt-7m"]) == 0
+    out = capsys.readouterr().out
+    assert "128 ranks" in out and "aws-p5 × 16" in out and "NCCL algorithm/protocol" in out
+    argv = ["simulate", "--gpu", "a100", "--nodes", "4", "--nic-gbps", "200", "--model", "gpt-7m"]
+    assert main(argv) == 0
+    assert "32 ranks" in capsys.readouterr().out
+    assert main(["simulate", "--preset", "aws-p5", "--world-size", "8", "--model", "gpt-7m"]) == 2
+    assert "carries its own ranks" in capsys.readouterr().err
+    assert main(["simulate", "--gpu", "h100", "--nic-gbps", "-1", "--model", "gpt-7m"]) == 2
+    assert "nic_gbps must be > 0, got -1.0" in capsys.readouterr().err
+
+
+def test_overlap_contention_slows_backward_not_the_all_reduce():
+    from dplab.sim import simulate
+    from dplab.sim.fabric import NCCL_OVERLAP_SLOWDOWN, overlap_contention
+
+    fab = Fabric.preset("aws-p4d", nodes=32)  # slow enough that comm overlaps backward
+    quiet = simulate(_profile(), bucket_cap_mb=10, fabric=fab)
+    busy = simulate(_profile(), bucket_cap_mb=10, fabric=fab, contention=overlap_contention())
+    q, b = ({s.name: s.end_ms - s.start_ms for s in t.spans} for t in (quiet, busy))
+    assert q["backward"] < b["backward"] <= q["backward"] * (1 + NCCL_OVERLAP_SLOWDOWN)
+    reduces = [name for name in q if name.startswith("all-reduce")]
+    assert reduces and all(b[name] == pytest.approx(q[name]) for name in reduces)
+
+
+def test_a_straggler_lengthens_the_simulated_step():
+    from dplab.sim import simulate, with_straggler
+
+    fab = Fabric.preset("dgx-h100", nodes=16)
+    base = simulate(_profile(), bucket_cap_mb=10, fabric=fab).metrics.t_step_ms
+    slow = simulate(with_straggler(_profile(), 0.2), bucket_cap_mb=10, fabric=fab)
+    assert base < slow.metrics.t_step_ms <= base + 0.2 * 50.0 + 1e-9  # backward is 50 ms

@@ -1,13 +1,32 @@
-"""``python -m dplab simulate``: predict a DDP step from a saved profile and a link."""
+"""``python -m dplab simulate``: predict a DDP step from a saved profile and a link or fabric.
+
+python -m dplab simulate --preset aws-p5 --nodes 16 --model gpt-7m
+python -m dplab simulate --gpu h100 --gpus-per-node 8 --nodes 4 --nic-gbps 400 --model gpt-7m
+python -m dplab simulate --profile my_profile.json --link gloo-loopback --world-size 4
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections import Counter
+from pathlib import Path
 
 from dplab._units import MIB
-from dplab.sim import LINK_NAMES, BackwardProfile, best_bucket_cap, get_link, simulate
+from dplab.sim import (
+    FABRIC_PRESETS,
+    GPUS,
+    LINK_NAMES,
+    BackwardProfile,
+    Fabric,
+    best_bucket_cap,
+    faster_compute,
+    get_link,
+    simulate,
+)
+from dplab.sim.fabric import NETWORKS
+from dplab.sim.link import ASSETS
 
 
 def fail(message: str) -> int:
@@ -28,56 +47,99 @@ def format_metrics(trace) -> str:
     return "\n".join(f"  {name:<30}{value:>12,.2f} {unit}" for name, value, unit in rows)
 
 
+HARDWARE = ("gpu", "gpus_per_node", "nics_per_node", "nic_gbps", "network")
+
+
+def _fabric(args: argparse.Namespace) -> Fabric | None:
+    """The fabric the options describe (a preset, or hardware), or None for a Link."""
+    hw = {k: getattr(args, k) for k in HARDWARE if getattr(args, k) is not None}
+    if args.preset is None and not hw:
+        if args.nodes is not None:
+            raise ValueError("--nodes needs a fabric: give --preset or --gpu")
+        return None
+    if args.link is not None or args.world_size is not None:
+        raise ValueError(
+            "--link/--world-size describe a flat ring; a fabric (--preset/--gpu) carries its "
+            "own ranks: use --nodes and --gpus-per-node"
+        )
+    nodes = 1 if args.nodes is None else args.nodes
+    if args.preset is not None:
+        return Fabric.preset(args.preset, nodes=nodes, **hw)
+    return Fabric.from_hardware(**hw, nodes=nodes)
+
+
+def _profile(args: argparse.Namespace) -> BackwardProfile:
+    if (args.profile is None) == (args.model is None):
+        raise ValueError("give one of --profile PATH or --model NAME")
+    path = Path(args.profile) if args.profile else ASSETS / f"profile_{args.model}.json"
+    try:
+        profile = BackwardProfile.load(path)
+    except FileNotFoundError:
+        hint = f"python -m dplab profile --model {args.model or 'NAME'} --out {path}"
+        raise FileNotFoundError(f"no profile at {path} (make one with `{hint}`)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if args.compute_speedup != 1:
+        profile = faster_compute(profile, args.compute_speedup)
+    return profile
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict one step's metrics and the best bucket cap from a saved profile."""
     try:
-        profile = BackwardProfile.load(args.profile)
-    except FileNotFoundError:
-        return fail(f"no profile at {args.profile} (make one with `python -m dplab profile`)")
-    except (ValueError, json.JSONDecodeError) as e:
-        return fail(f"{args.profile}: {e}")
-    try:
-        link = get_link(args.link)
+        profile = _profile(args)
+        fabric = _fabric(args)
+        if fabric is None:
+            net = {
+                "link": get_link(args.link or "ib-400g"),
+                "world_size": 2 if args.world_size is None else args.world_size,
+            }
+        else:
+            net = {"fabric": fabric}
         contention = None
         if args.contention:
             if profile.contention is None:
-                return fail(f"{args.profile} has no measured contention")
+                return fail(f"{args.profile or args.model} has no measured contention")
             contention = profile.contention
         trace = simulate(
             profile,
             bucket_cap_mb=args.bucket_cap_mb,
             first_bucket_cap_mb=args.first_bucket_cap_mb,
-            world_size=args.world_size,
-            link=link,
             contention=contention,
+            **net,
         )
         best = best_bucket_cap(
             profile,
-            world_size=args.world_size,
-            link=link,
             first_bucket_cap_mb=args.first_bucket_cap_mb,
             contention=contention,
+            **net,
         )
         at_best = simulate(
             profile,
             bucket_cap_mb=best,
             first_bucket_cap_mb=args.first_bucket_cap_mb,
-            world_size=args.world_size,
-            link=link,
             contention=contention,
+            **net,
         )
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
     n_buckets = len(trace.buckets)
+    where = fabric if fabric is not None else net["link"]
     print(
-        f"simulated {profile.model} on {link.describe()}\n"
-        f"{args.world_size:,} ranks, bucket cap {args.bucket_cap_mb:g} MiB "
+        f"simulated {profile.model} on {where.describe()}\n"
+        f"{trace.world_size:,} ranks, bucket cap {args.bucket_cap_mb:g} MiB "
         f"(first {args.first_bucket_cap_mb:g} MiB): {n_buckets} bucket"
         f"{'s' if n_buckets != 1 else ''}, "
         f"{profile.total_bytes / MIB:,.1f} MiB of gradients"
         + (", with measured contention" if contention else "")
     )
     print(format_metrics(trace))
+    if fabric is not None:
+        picks = Counter("/".join(fabric.choice(b["nbytes"])) for b in trace.buckets)
+        print(
+            "  NCCL algorithm/protocol per bucket (model): "
+            + ", ".join(f"{k} × {v}" for k, v in picks.most_common())
+        )
     gain = 1 - at_best.metrics.t_step_ms / trace.metrics.t_step_ms
     print(
         f"best bucket cap: {best:g} MiB -> t_step {at_best.metrics.t_step_ms:,.2f} ms "
@@ -91,10 +153,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("simulate", help="predict a DDP step from a profile and a link")
-    p.add_argument("--profile", required=True, help="a profile JSON (python -m dplab profile)")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--link", default="ib-400g", choices=list(LINK_NAMES))
+    p = sub.add_parser("simulate", help="predict a DDP step from a profile and a link or fabric")
+    p.add_argument("--profile", help="a profile JSON (python -m dplab profile)")
+    p.add_argument("--model", help="use the saved profile assets/profile_MODEL.json")
+    p.add_argument(
+        "--compute-speedup",
+        type=float,
+        default=1.0,
+        help="divide the profile's compute times by this (a what-if: a GPU is faster than the "
+        "CPU the profile was measured on)",
+    )
+    g = p.add_argument_group("a flat ring (dplab.sim.Link)")
+    g.add_argument("--link", choices=list(LINK_NAMES), help="default ib-400g")
+    g.add_argument("--world-size", type=int, help="default 2")
+    f = p.add_argument_group("a GPU cluster (dplab.sim.Fabric, NCCL's cost model)")
+    f.add_argument("--preset", choices=list(FABRIC_PRESETS))
+    f.add_argument("--nodes", type=int)
+    f.add_argument("--gpu", choices=list(GPUS))
+    f.add_argument("--gpus-per-node", type=int)
+    f.add_argument("--nics-per-node", type=int)
+    f.add_argument("--nic-gbps", type=float, help="one NIC's line rate, Gb/s")
+    f.add_argument("--network", choices=list(NETWORKS))
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="MiB")
     p.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="MiB")
     p.add_argument(

@@ -7,7 +7,7 @@ the same kind of object a measured step is, so it draws and measures the same wa
 
     profile = dplab.sim.measure_profile("gpt-7m")
     trace = dplab.sim.simulate(profile, bucket_cap_mb=25, first_bucket_cap_mb=1,
-                               world_size=1024, link=dplab.sim.get_link("ib-400g"))
+                               fabric=dplab.sim.Fabric.preset("dgx-h100", nodes=128))
     trace.metrics.exposed_comm_ms
 """
 
@@ -26,7 +26,11 @@ from dplab.sim.engine import (
     simulate,
     sweep,
 )
+from dplab.sim.fabric import GPUS, Fabric, overlap_contention, with_straggler
+from dplab.sim.fabric import PRESETS as FABRIC_PRESETS
 from dplab.sim.link import LINK_NAMES, PRESETS, Link, get_link, loopback_link
+from dplab.sim.nccl_model import Calibration
+from dplab.sim.nccl_tests import parse_nccl_tests
 from dplab.sim.profile import (
     BackwardProfile,
     Contention,
@@ -38,11 +42,15 @@ from dplab.sim.profile import (
 )
 
 __all__ = [
+    "FABRIC_PRESETS",
+    "GPUS",
     "LINK_NAMES",
     "PRESETS",
     "WORLD_SIZES",
     "BackwardProfile",
+    "Calibration",
     "Contention",
+    "Fabric",
     "Link",
     "ParamTiming",
     "best_bucket_cap",
@@ -54,6 +62,8 @@ __all__ = [
     "loopback_link",
     "measure_profile",
     "merge_runs",
+    "overlap_contention",
+    "parse_nccl_tests",
     "plan_buckets",
     "profile_from_ranks",
     "profile_rank",
@@ -61,4 +71,5 @@ __all__ = [
     "simulate",
     "sweep",
     "verdict",
+    "with_straggler",
 ]

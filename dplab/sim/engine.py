@@ -20,6 +20,12 @@ With a :class:`~dplab.sim.contention.Contention`, backward and an all-reduce tha
 each other (backward loses speed, the all-reduce pays a busy machine's α and β), which is what
 happens when the same CPU cores compute and move the bytes. Without one (the default) overlap
 is free, as on a GPU whose copies and NICs work beside the compute.
+
+The network is a :class:`~dplab.sim.link.Link` (one α-β ring: this machine's loopback, or the
+flat-ring teaching presets) or a :class:`~dplab.sim.fabric.Fabric` (a GPU cluster timed by
+NCCL's cost model, which picks ring, tree or NVLS per bucket size; its world size is its own).
+With a Fabric, a Contention's compute slowdown applies but the all-reduce keeps its time: GPU
+collectives have no α-β for a busy CPU to inflate.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dplab._checks import check_world_size
 from dplab._units import MIB
 from dplab.ddp.buckets import bucket_plan, check_cap_mb
 from dplab.sim.contention import Contention
+from dplab.sim.fabric import Fabric
 from dplab.sim.link import Link
 from dplab.sim.profile import BackwardProfile
 from dplab.trace.step import Span, StepTrace
@@ -42,12 +49,32 @@ from dplab.trace.step import Span, StepTrace
 def _check_inputs(profile: Any, link: Any, contention: Any) -> None:
     if not isinstance(profile, BackwardProfile):
         raise ValueError(f"profile must be a BackwardProfile, got {type(profile).__name__}")
-    if not isinstance(link, Link):
+    if not isinstance(link, (Link, Fabric)):
         raise ValueError(
-            f"link must be a dplab.sim.Link (or use dplab.sim.get_link(name)), got {link!r}"
+            "link must be a dplab.sim.Link (or use dplab.sim.get_link(name)) and fabric a "
+            f"dplab.sim.Fabric, got {link!r}"
         )
     if contention is not None and not isinstance(contention, Contention):
         raise ValueError(f"contention must be a Contention or None, got {contention!r}")
+
+
+def _network(link: Link | None, fabric: Fabric | None, world_size: int | None) -> tuple[Any, int]:
+    """The one network to time all-reduces on, and the world size: a Fabric's own, or the
+    ``world_size`` a Link needs."""
+    if (link is None) == (fabric is None):
+        raise ValueError("give exactly one of link= (a Link) or fabric= (a Fabric)")
+    if fabric is not None:
+        if not isinstance(fabric, Fabric):
+            raise ValueError(f"fabric must be a dplab.sim.Fabric, got {fabric!r}")
+        if world_size is not None and world_size != fabric.world_size:
+            raise ValueError(
+                f"world_size {world_size!r} does not match the fabric {fabric.name!r} "
+                f"({fabric.world_size} ranks); leave it out or use fabric.with_nodes(n)"
+            )
+        return fabric, fabric.world_size
+    if world_size is None:
+        raise ValueError("world_size is required with a link (a Fabric carries its own)")
+    return link, check_world_size(world_size)
 
 
 def plan_buckets(
@@ -154,28 +181,34 @@ def simulate(
     *,
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
-    world_size: int,
-    link: Link,
+    world_size: int | None = None,
+    link: Link | None = None,
+    fabric: Fabric | None = None,
     contention: Contention | None = None,
 ) -> StepTrace:
-    """One predicted DDP step of ``profile``'s model on ``world_size`` ranks over ``link``.
+    """One predicted DDP step of ``profile``'s model on ``world_size`` ranks over ``link``, or
+    on ``fabric`` (its ranks; each bucket timed by ``fabric.allreduce_s``).
 
     ``contention``: pass ``profile.contention`` to predict a machine where communication and
     compute share cores (this CPU box); leave None for overlap at no cost.
     """
-    _check_inputs(profile, link, contention)
-    n = check_world_size(world_size)
+    net, n = _network(link, fabric, world_size)
+    _check_inputs(profile, net, contention)
     buckets = plan_buckets(
         profile, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb
     )
     ready_of = {p.name: p.ready_ms for p in profile.params}
     ready = [max(ready_of[name] for name in b["param_names"]) for b in buckets]
-    comm = [link.allreduce_s(b["nbytes"], n) * 1e3 for b in buckets]
+    comm = [net.allreduce_s(b["nbytes"], n) * 1e3 for b in buckets]
     slow = contention or Contention()
-    busy = [
-        max(slow.busy_seconds(b["nbytes"], n, link) * 1e3, c)
-        for b, c in zip(buckets, comm, strict=True)
-    ]
+    busy = (
+        list(comm)
+        if isinstance(net, Fabric)
+        else [
+            max(slow.busy_seconds(b["nbytes"], n, net) * 1e3, c)
+            for b, c in zip(buckets, comm, strict=True)
+        ]
+    )
     ready_wall, starts, ends, backward_end = schedule(
         ready,
         profile.backward_ms,
@@ -219,8 +252,9 @@ def simulate(
             "first_bucket_cap_mb": first_bucket_cap_mb,
             "batch_size": profile.meta.get("batch_size"),
             "micro_batches": 1,
-            "link": link.name,
-            "link_detail": link.to_dict(),
+            "link": net.name,
+            "link_detail": net.to_dict(),
+            "fabric": isinstance(net, Fabric),
             "contention": slow.to_dict() if contention else None,
             "comm_lanes": 1,
             "profile": {
@@ -252,8 +286,9 @@ def sweep(
     profile: BackwardProfile,
     caps: Sequence[float],
     *,
-    world_size: int,
-    link: Link,
+    world_size: int | None = None,
+    link: Link | None = None,
+    fabric: Fabric | None = None,
     first_bucket_cap_mb: float = 1.0,
     contention: Contention | None = None,
 ) -> list[StepTrace]:
@@ -265,6 +300,7 @@ def sweep(
             first_bucket_cap_mb=first_bucket_cap_mb,
             world_size=world_size,
             link=link,
+            fabric=fabric,
             contention=contention,
         )
         for cap in caps
@@ -274,8 +310,9 @@ def sweep(
 def best_bucket_cap(
     profile: BackwardProfile,
     *,
-    world_size: int,
-    link: Link,
+    world_size: int | None = None,
+    link: Link | None = None,
+    fabric: Fabric | None = None,
     first_bucket_cap_mb: float = 1.0,
     contention: Contention | None = None,
     caps: Sequence[float] | None = None,
@@ -287,8 +324,8 @@ def best_bucket_cap(
     of the widest run of tied caps, furthest from the edges where a slightly different model
     would cut different buckets.
     """
-    _check_inputs(profile, link, contention)
-    check_world_size(world_size)
+    net, _ = _network(link, fabric, world_size)
+    _check_inputs(profile, net, contention)
     given = candidate_caps(profile) if caps is None else caps
     tried = sorted({check_cap_mb("caps", c) for c in given})
     if not tried:
@@ -300,6 +337,7 @@ def best_bucket_cap(
             tried,
             world_size=world_size,
             link=link,
+            fabric=fabric,
             first_bucket_cap_mb=first_bucket_cap_mb,
             contention=contention,
         )

@@ -1,4 +1,11 @@
-"""Links: what one all-reduce costs on a fabric, by the α-β model of a ring.
+"""Links: what one all-reduce costs by the α-β model of one flat ring (the teaching model).
+
+For a GPU cluster use :class:`dplab.sim.Fabric` instead: it knows nodes, NVLink, NICs and
+NCCL's algorithms and is validated against published nccl-tests runs
+(``docs/fabric-validation.md``). The flat-ring presets below are kept, labelled "flat ring
+(teaching model)", because the lessons derive the ring's formula on them; at scale they are an
+order of magnitude off (2 × AWS p5: 487 GB/s measured bus bandwidth, ``ib-400g`` says 50).
+A Link remains the model of this machine's measured loopback (``gloo-loopback``).
 
 A ring all-reduce of S bytes over N ranks takes 2(N−1) steps, each a message of S/N bytes:
 
@@ -43,6 +50,7 @@ from dplab._checks import check_nonneg, check_positive, check_world_size
 from dplab._units import GB
 from dplab.collectives.cost import ring_time
 
+TEACHING = "flat ring (teaching model)"
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 LOOPBACK_JSON = ASSETS / "gloo_loopback_bandwidth.json"
 LOOPBACK_COMMAND = "python benchmarks/allreduce_bandwidth.py"
@@ -103,6 +111,7 @@ class Link:
         return (
             f"{self.name}: α = {self.alpha_s * 1e6:.3g} µs per step, "
             f"B = {self.bandwidth_GBps:.3g} GB/s per rank, one way"
+            + (f" [{TEACHING}]" if self.source.startswith(TEACHING) else "")
         )
 
 
@@ -111,6 +120,7 @@ PRESETS: dict[str, Link] = {
         "nvlink-h100",
         3.4e-6,
         450 * GB,
+        f"{TEACHING}: "
         "H100 SXM NVLink 4: 900 GB/s bidirectional per GPU (NVIDIA datasheet) = 450 GB/s one "
         "way; α = NCCL's NVLink ring step latency (hwLat, Simple) in src/graph/tuning.cc",
     ),
@@ -118,6 +128,7 @@ PRESETS: dict[str, Link] = {
         "ib-400g",
         9.6e-6,
         50 * GB,
+        f"{TEACHING}: "
         "NDR InfiniBand 400 Gb/s = 50 GB/s one way, one NIC per GPU; α = NCCL's network ring "
         "step latency (hwLat, Simple) in src/graph/tuning.cc",
     ),
@@ -125,6 +136,7 @@ PRESETS: dict[str, Link] = {
         "100gbe",
         25e-6,
         12.5 * GB,
+        f"{TEACHING}: "
         "100 Gb/s Ethernet = 12.5 GB/s one way, one NIC per rank, TCP sockets; α = 25 µs is an "
         "assumed kernel-TCP latency, not a measurement",
     ),
@@ -132,6 +144,7 @@ PRESETS: dict[str, Link] = {
         "25gbe",
         25e-6,
         3.125 * GB,
+        f"{TEACHING}: "
         "25 Gb/s Ethernet = 3.125 GB/s one way, one NIC per rank, TCP sockets; α = 25 µs is an "
         "assumed kernel-TCP latency, not a measurement",
     ),

@@ -4,6 +4,7 @@ from dplab.trace.bucket import Bucket
 from dplab.trace.files import load_rank, load_run, save_rank, save_run
 from dplab.trace.metrics import StepMetrics, step_metrics
 from dplab.trace.observer import NullObserver, StepObserver
+from dplab.trace.profiler import from_profiler
 from dplab.trace.step import KINDS, Span, StepTrace, chrome_trace, lane, last_steps
 from dplab.trace.sweep import best_cap, by_cap, sweep_row
 from dplab.trace.tracer import Tracer
@@ -20,6 +21,7 @@ __all__ = [
     "best_cap",
     "by_cap",
     "chrome_trace",
+    "from_profiler",
     "lane",
     "last_steps",
     "load_rank",

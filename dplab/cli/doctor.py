@@ -1,0 +1,75 @@
+"""``python -m dplab doctor TRACE_DIR``: your own torch DDP job, its exposed buckets, a better cap.
+
+TRACE_DIR holds one torch.profiler trace per rank (``prof.export_chrome_trace(...)`` or
+``torch.profiler.tensorboard_trace_handler``; ``.json`` or ``.json.gz``), recorded with
+``schedule=`` (for the ``ProfilerStep#N`` marks) and ``record_shapes=True`` (for the bucket and
+gradient sizes). It prints the per-step and per-bucket summary and the recommendation (with its
+predicted gain and uncertainty), and writes ``timeline.html`` beside the traces: the measured
+last step of every rank and the step predicted at the recommended cap, with plotly.js embedded
+so that it opens offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dplab.sim.doctor import diagnose
+    from dplab.trace.files import write_atomic
+    from dplab.trace.profiler import from_profiler
+    from dplab.viz.timeline import timeline_figure
+
+    logging_data = (
+        json.loads(Path(args.ddp_logging_data).read_text()) if args.ddp_logging_data else None
+    )
+    runs = from_profiler(args.trace_dir, ddp_logging_data=logging_data)
+    d = diagnose(
+        runs,
+        link=args.link,
+        prior=args.prior,
+        current_cap_mb=args.current_cap_mb,
+        ddp_logging_data=logging_data,
+    )
+    print(d.summary())
+    panels = [[steps[-1] for steps in runs]]
+    titles = [f"measured: step {runs[0][-1].step}, cap {d.current_cap_mb:.3g} MiB"]
+    if d.simulated_best is not None and d.best_cap_mb != d.current_cap_mb:
+        panels.append([d.simulated_best])
+        titles.append(f"predicted at {d.best_cap_mb:.3g} MiB ({d.link.name})")
+    fig = timeline_figure(panels, panel_titles=titles, title="dplab doctor: " + str(args.trace_dir))
+    out = Path(args.html) if args.html else Path(args.trace_dir) / "timeline.html"
+    write_atomic(out, fig.to_html(include_plotlyjs=True, full_html=True))
+    print(f"timeline: {out}")
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="read a torch.profiler trace of your DDP job: exposed buckets, a better cap",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace_dir", help="folder with one torch.profiler trace per rank")
+    p.add_argument(
+        "--link", default=None, help="a dplab.sim link preset for the what-if (default: fitted)"
+    )
+    p.add_argument(
+        "--prior",
+        default=None,
+        help="link preset whose α:β the fit keeps when all buckets are one size",
+    )
+    p.add_argument("--current-cap-mb", type=float, default=None, help="the job's bucket_cap_mb")
+    p.add_argument(
+        "--ddp-logging-data",
+        default=None,
+        help="JSON file of ddp._get_ddp_logging_data() (sizes when shapes were not recorded)",
+    )
+    p.add_argument("--html", default=None, help="where to write the timeline (default: beside)")
+    p.set_defaults(func=cmd_doctor)
+
+
+add_parser = add_cli  # the name the coordinator's brief used

@@ -1,7 +1,8 @@
 """Your-turn exercises, checked on real ranks; reference answers in ``solutions``.
 
 :mod:`~dplab.exercises.checks` holds §3's mechanics checkers, :mod:`~dplab.exercises.ddp` §8's
-DDP checker (which buckets are exposed), side by side. Each checker takes the learner's function
+DDP checker (which buckets are exposed) and :mod:`~dplab.exercises.my_ddp` §8b's checker of the
+learner's own DDP, side by side. Each checker takes the learner's function
 (and optionally a warm :class:`dplab.Cluster`) and returns a :class:`CheckResult` that shows
 itself in the notebook.
 """
@@ -17,6 +18,7 @@ from dplab.exercises.checks import (
     check_broadcast_weights,
 )
 from dplab.exercises.ddp import check_exposed_buckets
+from dplab.exercises.my_ddp import check_my_ddp
 
 __all__ = [
     "FAILED",
@@ -27,5 +29,6 @@ __all__ = [
     "check_average_gradients",
     "check_broadcast_weights",
     "check_exposed_buckets",
+    "check_my_ddp",
     "solutions",
 ]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import time
 
+import pytest
 import torch
 
 import dplab
 from dplab.models import make_batch, make_model
+from dplab.trace import clocks
+from dplab.trace.clocks import Collective, Poll, Sched, queue_starts, worker_spans
 
 
 class FakeEvent:
@@ -90,3 +93,78 @@ def test_cuda_clock_plumbing_with_fake_events():
     assert len(comms) == r["n_buckets"]
     for s in comms:
         assert ready[s["bucket"]] <= s["start_ms"] <= s["end_ms"]
+
+
+# -- when a gloo worker really began a collective (clocks.worker_spans) ------------------------
+
+A, B = 101, 102  # two worker threads
+
+
+def _s(cpu: int, wait_ms: float, slices: int) -> Sched:
+    return Sched(cpu, int(wait_ms * 1e6), slices)
+
+
+def test_queued_collective_starts_when_its_worker_finished_the_previous_one():
+    polls = [
+        Poll(0.0, {A: _s(0, 0, 5), B: _s(0, 0, 7)}),
+        Poll(1.0, {A: _s(0, 0, 6), B: _s(0, 0, 7)}),
+    ]
+    comms = [
+        Collective(0.0, 4.0, thread=A, end_sched=_s(1, 0.0, 6), first_poll=0),
+        Collective(1.0, 6.0, thread=A, end_sched=_s(2, 0.0, 6), first_poll=1),
+    ]
+    assert worker_spans(comms, polls, lanes=2) == [(0.0, 4.0), (4.0, 6.0)]
+
+
+def test_idle_worker_starts_after_its_wait_for_a_cpu():
+    # launched at 1.0; B had no run at 1.3, one run by 2.5 (having waited 0.8 ms for a CPU)
+    polls = [
+        Poll(1.0, {A: _s(0, 0, 5), B: _s(0, 3.0, 7)}),
+        Poll(1.3, {A: _s(0, 0, 5), B: _s(0, 3.0, 7)}),
+        Poll(2.5, {A: _s(0, 0, 5), B: _s(0, 3.8, 8)}),
+    ]
+    comm = Collective(1.0, 4.0, thread=B, end_sched=_s(9, 4.5, 11), first_poll=0)
+    assert worker_spans([comm], polls, lanes=2) == [(pytest.approx(1.8), 4.0)]
+    # seen only at the end, after several runs: its waits include later ones, so the start is
+    # no later than launch + all waits and no earlier than the last reading without a run
+    late = Collective(1.0, 4.0, thread=B, end_sched=_s(9, 4.5, 11), first_poll=0)
+    assert worker_spans([late], polls[:2], lanes=2) == [(pytest.approx(2.5), 4.0)]
+    quiet = Collective(1.0, 4.0, thread=B, end_sched=_s(9, 3.1, 11), first_poll=0)
+    assert worker_spans([quiet], polls[:2], lanes=2) == [(pytest.approx(1.3), 4.0)]
+
+
+def test_collective_done_before_its_callback_was_attached():
+    # B ran it (one run after waiting 0.5 ms); A ran too, but was busy until 3.0 with another
+    polls = [
+        Poll(0.0, {A: _s(0, 0, 5), B: _s(0, 0, 7)}),
+        Poll(1.0, {A: _s(0, 0, 5), B: _s(0, 0, 7)}),
+        Poll(2.0, {A: _s(0, 0, 6), B: _s(0, 0.5, 8)}),
+    ]
+    comms = [
+        Collective(0.0, 3.0, thread=A, end_sched=_s(1, 0, 6), first_poll=0),
+        Collective(1.0, 1.99, first_poll=1, attach_poll=2, inline=True),
+    ]
+    assert worker_spans(comms, polls, lanes=2) == [(0.0, 3.0), (pytest.approx(1.5), 1.99)]
+
+
+def test_unknown_worker_falls_back_to_the_queue_rule():
+    comms = [Collective(0.0, 5.0), Collective(0.0, 9.0), Collective(0.0, 12.0)]
+    starts = [s for s, _ in worker_spans(comms, [], lanes=2)]
+    assert starts == queue_starts([0, 0, 0], [5, 9, 12], lanes=2) == [0, 0, 5]
+
+
+def _gloo_workers_seen() -> dict:
+    threads = clocks.WorkerThreads.find()
+    box = clocks.HostClock(threads).completion(
+        torch.distributed.all_reduce(torch.ones(1000), async_op=True).get_future()
+    )
+    clocks.HostClock().settle([box])
+    return {"tids": list(threads.tids) if threads else None, "box": box}
+
+
+def test_gloo_workers_are_found_and_a_future_reports_its_thread():
+    for r in dplab.launch(_gloo_workers_seen, 2):
+        assert r["tids"] is not None and len(r["tids"]) == 2  # gloo's default pool of threads
+        end, tid, sched, attacher = r["box"]
+        assert end is not None and isinstance(sched, Sched)
+        assert tid in r["tids"] or tid == attacher  # a worker, or done before the attach

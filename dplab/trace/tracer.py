@@ -11,8 +11,9 @@ What is recorded (times are marks of the clock, resolved after the step):
 - ``backward``: from the moment the gradient reaches the module's output to the last gradient
   accumulated into a parameter;
 - ``bucket_ready``: when a bucket's last gradient is in;
-- ``allreduce``: from the collective's own start (its launch, or the moment a backend worker
-  became free if it was queued behind earlier buckets) to its completion;
+- ``allreduce``: from the moment a backend worker began the collective (on gloo: when the
+  worker that ran it was free and had a CPU, read from the scheduler's counters; see
+  :mod:`dplab.trace.clocks`) to its completion;
 - ``wait``: the end of backward (the autograd engine's final callback) waiting for the
   outstanding all-reduces;
 - ``optimizer``: ``optimizer.step()`` (through the optimizer's step hooks).
@@ -28,8 +29,17 @@ import torch
 import torch.distributed as dist
 
 from dplab._nested import tensors_in
-from dplab.trace.clocks import CudaClock, HostClock, queue_starts
+from dplab.trace.clocks import (
+    Collective,
+    CudaClock,
+    HostClock,
+    Poll,
+    WorkerThreads,
+    worker_spans,
+)
 from dplab.trace.step import Span, StepTrace
+
+POLLS_PER_LAUNCH = 16
 
 
 @dataclass
@@ -38,6 +48,8 @@ class _Comm:
     nbytes: int
     launch: Any
     end: list[Any]
+    first_poll: int | None = None
+    attach_poll: int | None = None
 
 
 @dataclass
@@ -52,6 +64,7 @@ class _RawStep:
     comms: list[_Comm] = field(default_factory=list)
     waits: list[list[Any]] = field(default_factory=list)
     optimizer: list[list[Any]] = field(default_factory=list)
+    polls: list[tuple[Any, dict[int, Any]]] = field(default_factory=list)  # (mark, counters)
     synced: bool = False
 
 
@@ -72,6 +85,10 @@ class Tracer:
         self._backward_open = False
         self._last_grad: Any = None
         self._launch_mark: Any = None
+        self._launch_poll: int | None = None
+        self._threads: WorkerThreads | None = None
+        self._unseen: dict[int, Any] = {}  # workers not yet seen running since the last launch
+        self._polls_left = 0
         self.meta: dict[str, Any] = {}
 
     # -- public --------------------------------------------------------------------------------
@@ -106,6 +123,7 @@ class Tracer:
         device = ddp.bucket_buffers[0].device
         self._clock = pick_clock(backend, device)
         self._lanes = _gloo_threads(group) if backend == "gloo" else 1
+        self._threads = self._clock.threads
         self._info = {
             "rank": ddp.rank,
             "world_size": ddp.world_size,
@@ -113,6 +131,7 @@ class Tracer:
             "device": str(device),
             "clock": self._clock.kind,
         }
+        self.meta["start_from"] = "scheduler" if self._threads is not None else "queue"
         self.buckets_changed(ddp)
         self._align(group)
 
@@ -133,7 +152,7 @@ class Tracer:
                 self._origin = readings[0][1]
 
     def buckets_changed(self, ddp: Any) -> None:
-        self._buckets = [b.to_dict() for b in ddp.buckets]
+        self._buckets = list(ddp.buckets)
 
     def forward_start(self) -> None:
         if self._current is not None and self._current.synced:
@@ -163,19 +182,53 @@ class Tracer:
         if not self._backward_open:
             self._open_backward(mark)
         self._last_grad = mark
+        if self._unseen and self._polls_left > 0:
+            self._poll(mark)
 
     def bucket_ready(self, bucket: int) -> None:
         self._current.ready.append((bucket, self._clock.now()))
 
     def allreduce_start(self, bucket: int) -> None:
         self._launch_mark = self._clock.now()
+        self._launch_poll = self._poll(self._launch_mark, launch=True)
 
     def allreduce_launched(self, bucket: int, work: Any, nbytes: int) -> None:
         end = self._clock.completion(work)
-        self._current.comms.append(_Comm(bucket, nbytes, self._launch_mark, end))
+        comm = _Comm(bucket, nbytes, self._launch_mark, end, first_poll=self._launch_poll)
+        if self._threads is not None:
+            # A collective that a worker ran to its end before the callback was attached has
+            # only these readings to date its end by.
+            comm.attach_poll = self._poll(self._clock.now())
+        self._current.comms.append(comm)
+
+    def _poll(self, mark: Any, *, launch: bool = False) -> int | None:
+        """Read the gloo workers' counters; returns the reading's index in the step.
+
+        After a launch, readings continue at the next hooks (at most ``POLLS_PER_LAUNCH``, so a
+        model of many tiny gradients pays little) until every worker has run once since: the
+        first run of the worker that takes the collective is its start.
+        """
+        if self._threads is None:
+            return None
+        sched = self._threads.snapshot()
+        polls = self._current.polls
+        polls.append((mark, sched))
+        if launch:
+            self._unseen = dict(sched)
+            self._polls_left = POLLS_PER_LAUNCH
+        else:
+            self._polls_left -= 1
+            self._unseen = {
+                tid: base
+                for tid, base in self._unseen.items()
+                if base is not None and sched[tid] is not None and sched[tid].slices == base.slices
+            }
+        return len(polls) - 1
 
     def backward_end(self, *, synced: bool) -> None:
         mark = self._clock.now()
+        if self._unseen and self._polls_left > 0:
+            self._poll(mark)
         if self._current.backwards:
             # Backward ends with its last gradient; the engine's callback may run a little later
             # (on a busy machine, much later), and that time belongs to the wait.
@@ -203,6 +256,7 @@ class Tracer:
     def _close(self) -> None:
         self._pending.append(self._current)
         self._current = None
+        self._unseen = {}
 
     def _resolve(self, raw: _RawStep) -> StepTrace:
         clock, origin = self._clock, self._origin
@@ -235,13 +289,29 @@ class Tracer:
                     self._nbytes_of(raw, bucket),
                 )
             )
-        launches = [ms(c.launch) for c in raw.comms]
         # A completion callback that never ran (it always does within settle()) would end the
         # collective at the end of the wait, the latest it can have finished.
         latest = max((s.end_ms for s in spans if s.kind == "wait"), default=0.0)
         ends = [ms(c.end[0]) if c.end[0] is not None else latest for c in raw.comms]
-        for comm, start, end in zip(
-            raw.comms, queue_starts(launches, ends, self._lanes), ends, strict=True
+        workers = set(self._threads.tids) if self._threads is not None else set()
+        seen = [
+            Collective(
+                launch_ms=ms(c.launch),
+                end_ms=end,
+                thread=c.end[1] if len(c.end) > 1 and c.end[1] in workers else None,
+                end_sched=c.end[2] if len(c.end) > 2 else None,
+                first_poll=c.first_poll,
+                attach_poll=c.attach_poll,
+                # its callback ran on the thread that attached it: it was already done
+                inline=len(c.end) > 3 and c.end[1] is not None and c.end[1] == c.end[3],
+            )
+            for c, end in zip(raw.comms, ends, strict=True)
+        ]
+        polls = [Poll(ms(mark), sched) for mark, sched in raw.polls]
+        for comm, (start, end) in zip(
+            raw.comms,
+            worker_spans(seen, polls, self._lanes),
+            strict=True,
         ):
             spans.append(
                 Span(
@@ -280,7 +350,7 @@ def pick_clock(backend: str, device: torch.device) -> HostClock | CudaClock:
     """
     if backend == "nccl" and device.type == "cuda":
         return CudaClock(device)
-    return HostClock()
+    return HostClock(WorkerThreads.find() if backend == "gloo" else None)
 
 
 def _gloo_threads(group: Any) -> int:

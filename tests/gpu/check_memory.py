@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-GPT_KWARGS = {"vocab": 8192, "hidden": 1024, "heads": 16, "layers": 8, "max_seq": 512}
+GPT_KWARGS = {"vocab": 8192, "d_model": 1024, "n_heads": 16, "n_layers": 8, "seq_len": 512}
 MICRO_BATCH, SEQ_LEN = 8, 512
 
 
@@ -23,7 +23,7 @@ def check_memory() -> dict[str, Any]:
     import torch
 
     from dplab.memory import gpt_activation_bytes, gpt_block_activation_bytes
-    from dplab.memory.gpt import TinyGPT, lm_loss, random_batch
+    from dplab.memory.gpt import lm_loss, measured_gpt, random_batch
     from dplab.memory.measure import (
         SavedTensors,
         block_saved_bytes,
@@ -68,7 +68,7 @@ def check_memory() -> dict[str, Any]:
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)
     torch.manual_seed(0)
-    model, opt = make_recipe(TinyGPT(**GPT_KWARGS).to(dev), "mixed", "adam")
+    model, opt = make_recipe(measured_gpt(**GPT_KWARGS).to(dev), "mixed", "adam")
     x, y = random_batch(model.vocab, MICRO_BATCH, SEQ_LEN, device=dev)
     train_step(model, opt, [(x, y)])
     torch.cuda.synchronize()

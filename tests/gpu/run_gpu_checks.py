@@ -1,16 +1,27 @@
-"""The one script to run on a lent GPU (one H200 here): every CUDA path of dplab, checked.
+"""The one script to run on a lent GPU (one H200 here): the CUDA paths of dplab, checked.
 
     python tests/gpu/run_gpu_checks.py --out "$OUT/gpu-results.json"
 
-One GPU cannot host two NCCL ranks, so the checks are:
-1. NCCL at world size 1: dplab.DDP on cuda:0 equals torch DDP bit for bit and the full batch.
-2. Two gloo ranks with CUDA tensors on the one GPU: dplab.DDP equals torch DDP bit for bit.
-3. CUDA-event traces: each bucket's all-reduce span (dplab.Tracer, NCCL) against the NCCL kernel
-   times that torch.profiler records, within 5% or 50 µs.
-4. Memory: bytes/param of mixed-precision AdamW state, and torch.cuda.max_memory_allocated with
-   activations (tests/gpu/check_memory.py).
-Each check returns its figures; the script prints them as JSON and exits non-zero on a failure.
-Record the results, with date and hardware, in docs/gpu-results.md.
+One GPU cannot host two NCCL ranks, and NCCL at world size 1 launches no kernel for an in-place
+all-reduce (it is a no-op), so a profiler finds nothing to time there. What one GPU can prove:
+
+1. stream ordering (:mod:`tests.gpu.ordering`): a stand-in collective (a comm hook that sleeps
+   and scales the bucket on a side stream) against a synchronous reference, bit for bit, and two
+   negative controls (a Future completed before the work; a side stream that does not wait for
+   the launching one) that the same comparison must catch;
+2. CUDA-event spans (:mod:`tests.gpu.kernels`): each bucket's all-reduce span of dplab.Tracer
+   (CUDA events, NCCL clock) against the stand-in's kernel times in torch.profiler's trace,
+   within 5% or 50 µs;
+3. two gloo ranks with CUDA tensors on the one GPU: dplab.DDP equals torch DDP bit for bit and
+   the full batch within 1e-5;
+4. NCCL at world size 1: dplab.DDP equals torch DDP bit for bit (the CUDA plumbing only: the
+   collective itself is a no-op);
+5. memory (tests/gpu/check_memory.py): bytes/param of mixed-precision AdamW state, and
+   torch.cuda.max_memory_allocated during a step.
+
+Each check returns its figures; the script writes them as JSON and exits non-zero on a failure.
+The parts that need no GPU run in CI (tests/gpu/test_gpu_logic.py). Record each run, with date
+and hardware, in docs/gpu-results.md.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,14 +42,14 @@ from torch import nn
 
 import dplab
 from dplab.models import make_batch, make_model
+from tests.gpu import kernels, ordering
 
 
-def _train_pair(device: torch.device, cap_mb: float, steps: int = 3) -> dict:
-    """dplab.DDP and torch DDP side by side on ``device``; largest parameter difference."""
+def train_pair(device_type: str, cap_mb: float = 0.5, steps: int = 3) -> dict:
+    """dplab.DDP and torch DDP side by side on this rank's device; largest parameter gaps."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    ours = dplab.DDP(
-        make_model("tiny-gpt", seed=1).to(device), bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb
-    )
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    ours = dplab.DDP(make_model("tiny-gpt", seed=1).to(device), bucket_cap_mb=cap_mb)
     ids = [device.index] if device.type == "cuda" else None
     theirs = nn.parallel.DistributedDataParallel(
         make_model("tiny-gpt", seed=1).to(device), device_ids=ids, bucket_cap_mb=cap_mb
@@ -55,74 +67,93 @@ def _train_pair(device: torch.device, cap_mb: float, steps: int = 3) -> dict:
             opts[name].step()
             opts[name].zero_grad()
 
-    def params(m):
+    def params(m: nn.Module) -> list[torch.Tensor]:
         return [p.detach().double() for p in m.parameters()]
 
-    def diff(a, b):
+    def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
         return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
     return {
-        "dplab_vs_torch": diff(params(ours.module), params(theirs.module)),
-        "dplab_vs_full_batch": diff(params(ours.module), params(full)),
+        "device": str(device),
+        "dplab_vs_torch": gap(params(ours.module), params(theirs.module)),
+        "dplab_vs_full_batch": gap(params(ours.module), params(full)),
     }
 
 
-def _nccl_world_size_1() -> dict:
-    return _train_pair(torch.device("cuda", 0), cap_mb=0.5)
-
-
-def check_nccl_world_size_1() -> dict:
-    r = dplab.launch(_nccl_world_size_1, 1, backend="nccl")[0]
-    assert r["dplab_vs_torch"] == 0.0, r
-    assert r["dplab_vs_full_batch"] < 1e-5, r
-    return r
-
-
-def _gloo_cuda() -> dict:
-    return _train_pair(torch.device("cuda", 0), cap_mb=0.5)
-
-
-def check_gloo_with_cuda_tensors() -> dict:
-    out = dplab.launch(_gloo_cuda, 2, backend="gloo")
-    for r in out:
+def judge_pair(results: list[dict]) -> dict:
+    for r in results:
         assert r["dplab_vs_torch"] == 0.0, r
         assert r["dplab_vs_full_batch"] < 1e-5, r
-    return {"ranks": out}
+    return {"ranks": results}
 
 
-def _events_vs_profiler() -> dict:
+# -- 1. stream ordering ------------------------------------------------------------------------
+
+
+def _ordering() -> dict:
+    streams = ordering.CudaStreams(torch.device("cuda", 0))
+    return {v: ordering.run_variant(streams, v) for v in ordering.VARIANTS}
+
+
+def check_stream_ordering() -> dict:
+    return ordering.judge(dplab.launch(_ordering, 1, backend="nccl")[0])
+
+
+# -- 2. CUDA-event spans against the profiler's kernel times -----------------------------------
+
+
+def _events_vs_kernels(sleep_ms: float = 2.0, steps: int = 3) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    device = torch.device("cuda", 0)
+    streams = ordering.CudaStreams(torch.device("cuda", 0))
     tracer = dplab.Tracer()
-    model = dplab.DDP(
-        make_model("gpt-7m").to(device), bucket_cap_mb=5, first_bucket_cap_mb=5, tracer=tracer
-    )
-    x, y = (t.to(device) for t in make_batch("gpt-7m", 8))
-    for _ in range(3):
-        model(x, y).backward()
+    ddp = ordering.stand_in_ddp(streams, "honest", sleep_ms, slow_backward_ms=0.0, tracer=tracer)
+    batches = [(x.cuda(), y.cuda()) for x, y in ordering.make_batches(steps + 2)]
+    for x, y in batches[:2]:  # warm-up, and the rebuild of the buckets
+        ddp(x, y).backward()
     torch.cuda.synchronize()
     tracer.clear()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model(x, y).backward()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for x, y in batches[2:]:
+            ddp(x, y).backward()
         torch.cuda.synchronize()
-    step = tracer.steps[-1]
-    ours = [s.duration_ms * 1e3 for s in step.of("allreduce")]
-    kernels = sorted(
-        (e for e in prof.events() if e.device_type.name == "CUDA" and "nccl" in e.name.lower()),
-        key=lambda e: e.time_range.start,
-    )
-    theirs = [e.time_range.elapsed_us() for e in kernels]
-    return {"dplab_us": ours, "profiler_us": theirs, "clock": step.clock}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    steps_ = tracer.steps
+    ours = [s.duration_ms * 1e3 for t in steps_ for s in sorted(t.of("allreduce"), key=_start)]
+    theirs = [end - start for start, end in kernels.kernel_spans(trace)]
+    return {"clock": steps_[-1].clock, "dplab_us": ours, "profiler_us": theirs}
+
+
+def _start(span: dplab.trace.Span) -> float:
+    return span.start_ms
+
+
+def judge_events(r: dict) -> dict:
+    assert r["clock"] == "cuda_event", r
+    bad = kernels.mismatches(r["dplab_us"], r["profiler_us"])
+    assert not bad, f"spans outside 5% or 50 µs of the kernel times: {bad}"
+    return r
 
 
 def check_cuda_events_against_profiler() -> dict:
-    r = dplab.launch(_events_vs_profiler, 1, backend="nccl")[0]
-    assert r["clock"] == "cuda_event", r
-    assert len(r["dplab_us"]) == len(r["profiler_us"]), r
-    for ours, theirs in zip(r["dplab_us"], r["profiler_us"], strict=True):
-        assert abs(ours - theirs) <= max(50.0, 0.05 * theirs), (ours, theirs)
-    return r
+    return judge_events(dplab.launch(_events_vs_kernels, 1, backend="nccl")[0])
+
+
+# -- 3, 4. bit-for-bit against torch DDP --------------------------------------------------------
+
+
+def check_gloo_with_cuda_tensors() -> dict:
+    return judge_pair(dplab.launch(train_pair, 2, backend="gloo", args=("cuda",)))
+
+
+def check_nccl_world_size_1() -> dict:
+    return judge_pair(dplab.launch(train_pair, 1, backend="nccl", args=("cuda",)))
+
+
+# -- 5. memory ---------------------------------------------------------------------------------
 
 
 def check_memory_on_gpu() -> dict:
@@ -132,17 +163,20 @@ def check_memory_on_gpu() -> dict:
 
 
 CHECKS = [
-    check_nccl_world_size_1,
-    check_gloo_with_cuda_tensors,
+    check_stream_ordering,
     check_cuda_events_against_profiler,
+    check_gloo_with_cuda_tensors,
+    check_nccl_world_size_1,
     check_memory_on_gpu,
 ]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="gpu-results.json")
-    args = p.parse_args()
+    p.add_argument("--only", nargs="*", help="names of the checks to run (default: all)")
+    args = p.parse_args(argv)
+    chosen = [c for c in CHECKS if not args.only or c.__name__ in args.only]
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
@@ -151,7 +185,7 @@ def main() -> int:
         "checks": {},
     }
     failed = False
-    for check in CHECKS:
+    for check in chosen:
         try:
             report["checks"][check.__name__] = {"ok": True, "figures": check()}
         except Exception:

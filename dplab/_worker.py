@@ -2,40 +2,134 @@
 
 It joins the process group once, then runs the functions the parent sends until told to stop.
 A function arrives cloudpickled, so a function defined in a notebook cell runs here.
+
+Every call carries an id and every reply repeats it, so a reply the parent did not read (an
+interrupted call, a result it could not unpickle) can never be taken for the next call's.
+Each rank also counts the collectives it issues on the default group in a slot of a file the
+parent maps (a flight recorder of one number): when one rank has returned and another has issued
+more collectives than it, the parent knows they can never complete and says so at once.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import functools
+import inspect
+import mmap
 import os
 import re
+import shutil
+import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
+
+from dplab.launch import CALL_HEADER, STOP
 
 _DYNAMIC_FRAME = re.compile(r'  File "<dynamic-code>", line (?P<line>\d+), in (?P<name>\w+)$')
 
+# Collectives every rank of the group must call the same number of times, in the same order.
+# Point-to-point calls are left out on purpose: they are not symmetric.
+COLLECTIVES = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+)
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Never outlive the caller: a kernel restart must not leave ranks behind."""
-    if sys.platform.startswith("linux"):
+
+def _exit_with_parent(parent_pid: int, lifeline_fd: int, logdir: str) -> None:
+    """Never outlive the caller: a kernel restart must not leave ranks behind.
+
+    Two watcher threads: one blocks on a pipe whose only writer is the parent (EOF the moment
+    the parent *process* is gone), one polls the parent's pid. Either removes the ranks' log
+    folder, which a killed parent cannot, and exits. ``PR_SET_PDEATHSIG`` is not used: it fires
+    when the *thread* that started the rank exits, so a Cluster created in a worker thread lost
+    its ranks when that thread ended, and its SIGKILL left the log folder behind.
+    """
+
+    def orphaned() -> None:
+        shutil.rmtree(logdir, ignore_errors=True)
+        os._exit(1)
+
+    def lifeline() -> None:
         try:
-            import ctypes
-            import signal
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            while os.read(lifeline_fd, 1):
+                pass
         except OSError:
             pass
+        orphaned()
 
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
+    def poll() -> None:
+        while os.getppid() == parent_pid:
             time.sleep(0.5)
+        orphaned()
 
-    threading.Thread(target=watch, daemon=True, name="dplab-parent-watch").start()
+    threading.Thread(target=lifeline, daemon=True, name="dplab-lifeline").start()
+    threading.Thread(target=poll, daemon=True, name="dplab-parent-watch").start()
+
+
+def _group_position(fn: Callable) -> int | None:
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("group") if "group" in names else None
+
+
+def count_collectives(counts: Any, rank: int) -> None:
+    """Wrap torch.distributed's collectives so each one on the default group bumps our slot.
+
+    The count is raised *before* the collective starts, so while a rank waits inside its n-th
+    collective its slot reads n.
+    """
+    import torch.distributed as dist
+
+    def on_world(group: Any) -> bool:
+        return group is None or group is dist.GroupMember.WORLD
+
+    for name in COLLECTIVES:
+        real = getattr(dist, name, None)
+        if real is None or getattr(real, "_dplab_counted", False):
+            continue
+        position = _group_position(real)
+
+        def counted(*args: Any, __real: Callable = real, __pos: int | None = position, **kw: Any):
+            group = args[__pos] if __pos is not None and len(args) > __pos else kw.get("group")
+            if on_world(group):
+                counts[rank] += 1
+            return __real(*args, **kw)
+
+        wrapped = functools.wraps(real)(counted)
+        wrapped._dplab_counted = True  # type: ignore[attr-defined]
+        setattr(dist, name, wrapped)
+
+
+def _open_counts(path: str, world_size: int) -> Any:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        shared = mmap.mmap(fd, 8 * world_size)
+    finally:
+        os.close(fd)
+    return memoryview(shared).cast("q")
 
 
 def _join_process_group(rank: int, world_size: int, backend: str) -> None:
@@ -92,28 +186,33 @@ def _run(payload: bytes) -> tuple[str, object]:
 
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
-    _exit_with_parent(int(os.environ["DPLAB_PARENT_PID"]))
+    logdir = os.environ["DPLAB_LOGDIR"]
+    _exit_with_parent(int(os.environ["DPLAB_PARENT_PID"]), int(sys.argv[2]), logdir)
+    # The parent sends SIGUSR1 to learn where a stuck rank is: the stacks go to our log.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    counts = _open_counts(os.environ["DPLAB_COUNTS"], world_size)
     try:
         _join_process_group(rank, world_size, os.environ["DPLAB_BACKEND"])
+        count_collectives(counts, rank)
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send((0, "error", traceback.format_exc(), counts[rank]))
         os._exit(1)
     import cloudpickle
 
-    conn.send(("ok", cloudpickle.dumps(None)))  # "ready"
+    conn.send((0, "ok", cloudpickle.dumps(None), counts[rank]))  # "ready"
     while True:
         try:
             message = conn.recv_bytes()
         except (EOFError, OSError):
             os._exit(1)
-        if message == b"S":
+        if message == STOP:
             break
-        kind, body = _run(message)
-        conn.send((kind, body))
-        if kind == "error":
-            sys.stdout.flush()
-            sys.stderr.flush()
+        _, call_id = CALL_HEADER.unpack_from(message)
+        kind, body = _run(message[CALL_HEADER.size :])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.send((call_id, kind, body, counts[rank]))
     import torch.distributed as dist
 
     dist.destroy_process_group()

@@ -102,12 +102,13 @@ def count_collectives(counts: Any, rank: int) -> None:
     collective its slot reads n.
     """
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
     def on_world(group: Any) -> bool:
         return group is None or group is dist.GroupMember.WORLD
 
     for name in COLLECTIVES:
-        real = getattr(dist, name, None)
+        real = getattr(c10d, name, None)
         if real is None or getattr(real, "_dplab_counted", False):
             continue
         position = _group_position(real)
@@ -120,7 +121,11 @@ def count_collectives(counts: Any, rank: int) -> None:
 
         wrapped = functools.wraps(real)(counted)
         wrapped._dplab_counted = True  # type: ignore[attr-defined]
-        setattr(dist, name, wrapped)
+        # Both names stay one function (``dist.all_reduce is c10d.all_reduce``), as in torch: code
+        # that patches collectives (a CommCounter, a checker) finds and wraps them where it looks.
+        for module in (dist, c10d):
+            if getattr(module, name, None) is real:
+                setattr(module, name, wrapped)
 
 
 def _open_counts(path: str, world_size: int) -> Any:

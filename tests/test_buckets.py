@@ -57,6 +57,27 @@ def test_matches_torchs_own_function_on_random_cases():
         assert ours == [list(b) for b in theirs]
 
 
+def test_in_given_order_matches_torchs_function_with_tensor_indices():
+    """The rebuild's case: tensors already in ready order, buckets keep the order they close."""
+    rng = random.Random(1)
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+    for _ in range(300):
+        n = rng.randint(1, 25)
+        tensors = [torch.empty(rng.randint(1, 300), dtype=rng.choice(dtypes)) for _ in range(n)]
+        order = list(range(n))
+        rng.shuffle(order)
+        limits = sorted(rng.randint(1, 2000) for _ in range(rng.randint(1, 3)))
+        walked = [tensors[i] for i in order]
+        ours = assign_buckets(
+            [t.numel() * t.element_size() for t in walked],
+            [(t.dtype, "cpu") for t in walked],
+            limits,
+            in_given_order=True,
+        )
+        theirs, _ = dist._compute_bucket_assignment_by_size(walked, limits, [False] * n, order)
+        assert [[order[j] for j in b] for b in ours] == [list(b) for b in theirs]
+
+
 def test_plan_uses_mib_like_torch():
     rows = [(f"p{i}", 2**18, 2**20, F) for i in range(6)]  # 1 MiB each
     assert bucket_plan(rows, bucket_cap_mb=2, first_bucket_cap_mb=1) == [[0], [1, 2], [3, 4], [5]]

@@ -14,6 +14,7 @@ Tolerances:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import pytest
@@ -57,8 +58,10 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-def _versus_full_batch_and_torch(dtype: torch.dtype, cap_mb: float) -> dict:
+def _versus_full_batch_and_torch(dtype: torch.dtype, cap_mb: float, textbook: bool = True) -> dict:
     def dp(m):
+        if not textbook:  # torch's own buckets
+            return dplab.DDP(m, bucket_cap_mb=cap_mb)
         return dplab.DDP(m, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb)
 
     def tdp(m):
@@ -90,13 +93,19 @@ def test_float32_equals_torch_bit_for_bit_and_full_batch_within_rounding(cluster
         assert r["torch_vs_full"] < 1e-6
 
 
-def test_three_ranks_equal_full_batch(cluster3):
+def test_three_ranks_equal_full_batch_and_torch_bit_for_bit_with_torchs_buckets(cluster3):
+    """dplab scales by 1/3 as torch does (x (1/3) while copying). With the textbook variant's
+    buckets the elements sit elsewhere in their buffers, gloo sums three values in another
+    order, and the last bit may differ; with torch's buckets, nothing differs."""
     for r in cluster3.run(_versus_full_batch_and_torch, torch.float64, 0.001):
         assert r["vs_full"] < 1e-12
-        assert r["vs_torch"] < 1e-12  # torch multiplies by 1/3 where dplab divides by 3
+        assert r["vs_torch"] < 1e-12
     for r in cluster3.run(_versus_full_batch_and_torch, torch.float32, 0.001):
         assert r["vs_full"] < 1e-6
         assert r["vs_torch"] < 1e-6
+    for dtype in (torch.float64, torch.float32):
+        for r in cluster3.run(_versus_full_batch_and_torch, dtype, 0.001, False):
+            assert r["vs_torch"] == 0.0
 
 
 def _gpt_versus_torch() -> float:
@@ -177,7 +186,12 @@ def test_forgetting_no_sync_all_reduces_every_micro_batch(cluster2):
 
 
 def _grads_are_bucket_views() -> list[bool]:
-    model = dplab.DDP(make_model("tiny-gpt"), bucket_cap_mb=0.25, first_bucket_cap_mb=0.25)
+    model = dplab.DDP(
+        make_model("tiny-gpt"),
+        bucket_cap_mb=0.25,
+        first_bucket_cap_mb=0.25,
+        gradient_as_bucket_view=True,
+    )
     x, y = make_batch("tiny-gpt", 4)
     for _ in range(2):
         model(x, y).backward()
@@ -191,7 +205,7 @@ def _grads_are_bucket_views() -> list[bool]:
     return out
 
 
-def test_grads_are_views_into_the_bucket_buffers(cluster2):
+def test_with_gradient_as_bucket_view_grads_are_views_into_the_bucket_buffers(cluster2):
     for views in cluster2.run(_grads_are_bucket_views):
         assert all(views)
 
@@ -366,3 +380,269 @@ def _variants() -> float:
 
 def test_teaching_variants_compute_the_same_gradients(cluster2):
     assert cluster2.run(_variants) == [0.0, 0.0]
+
+
+# -- the textbook variant, by name --------------------------------------------------------------
+
+
+def _variant_buckets(kwargs: dict) -> dict:
+    ddp = dplab.DDP(make_model("mlp"), **kwargs)
+    before = [b.param_names for b in ddp.buckets]
+    x, y = make_batch("mlp", 4)
+    for _ in range(2):
+        ddp(x, y).backward()
+    return {
+        "before": before,
+        "after": [b.param_names for b in ddp.buckets],
+        "static": ddp.static_buckets,
+        "first": ddp.first_bucket_cap_mb,
+    }
+
+
+def test_first_bucket_cap_mb_selects_the_textbook_static_buckets(cluster2):
+    names = [n for n, _ in make_model("mlp").named_parameters()]
+    textbook = cluster2.run(_variant_buckets, {"bucket_cap_mb": 0.01, "first_bucket_cap_mb": 0.005})
+    explicit = cluster2.run(_variant_buckets, {"bucket_cap_mb": 0.01, "static_buckets": True})
+    torchs = cluster2.run(_variant_buckets, {"bucket_cap_mb": 0.01})
+    for r in (textbook[0], explicit[0]):
+        assert r["static"] and r["before"] == r["after"]  # no rebuild
+        assert [n for b in r["before"] for n in b] == list(reversed(names))
+        assert len(r["before"]) > 1
+    assert explicit[0]["first"] == 0.01  # min(cap, 1 MiB) when not chosen
+    assert textbook[0]["first"] == 0.005
+    assert not torchs[0]["static"] and len(torchs[0]["before"]) == 1  # torch's iteration 0
+
+
+# -- notebook habits ----------------------------------------------------------------------------
+
+
+def _wrapped_twice() -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2, bias=False).double()
+    ddp = dplab.DDP(model)
+    with pytest.warns(UserWarning, match="already wrapped"):
+        ddp = dplab.DDP(model)  # a re-run notebook cell: the old one is still alive here
+    x = torch.arange(8, dtype=torch.float64).view(2, 4) * (dist.get_rank() + 1)
+    ddp(x).sum().backward()
+    expected = (torch.arange(8, dtype=torch.float64).view(2, 4) * 1.5).sum(0, keepdim=True)
+    return {"diff": (model.weight.grad - expected).abs().max().item()}
+
+
+def test_wrapping_a_module_twice_detaches_the_old_wrapper(cluster2):
+    for r in cluster2.run(_wrapped_twice):
+        assert r["diff"] == 0.0  # not 0.5x: the first wrapper's hooks are gone
+
+
+def _old_wrapper_used() -> None:
+    model = nn.Linear(4, 2)
+    with pytest.warns(UserWarning):
+        old = dplab.DDP(model)
+        dplab.DDP(model)
+    old(torch.randn(1, 4))
+
+
+def test_the_detached_wrapper_says_so(cluster2):
+    with pytest.raises(dplab.RankError, match="detached: its module was wrapped again"):
+        cluster2.run(_old_wrapper_used)
+
+
+def _dropped_wrapper() -> dict:
+    import gc
+
+    model = nn.Linear(4, 2)
+    ddp = dplab.DDP(model)
+    ddp(torch.randn(2, 4)).sum().backward()
+    hooks_while_alive = len(model.weight._post_accumulate_grad_hooks or {})
+    del ddp
+    gc.collect()
+    return {
+        "alive": hooks_while_alive,
+        "after": len(model.weight._post_accumulate_grad_hooks or {}),
+    }
+
+
+def test_a_dropped_wrapper_leaves_no_hooks(cluster2):
+    for r in cluster2.run(_dropped_wrapper):
+        assert r == {"alive": 1, "after": 0}
+
+
+class _Flaky(nn.Module):
+    """A layer whose backward raises once (an OOM, a bad hook) on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.fail = False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.fail:
+            h.register_hook(_raise_once)
+        return self.b(torch.tanh(h)).sum()
+
+
+def _raise_once(grad):
+    raise RuntimeError("planted failure in backward")
+
+
+def _survives_a_failed_backward() -> dict:
+    torch.manual_seed(0)
+    model = _Flaky().double()
+    reference = copy.deepcopy(model)
+    ddp = dplab.DDP(model, bucket_cap_mb=0.0002)  # several buckets, some launched before failing
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    outcome = []
+    for fail in (False, True, False):
+        model.fail = fail
+        ddp.zero_grad()
+        try:
+            ddp(_shard(x)).backward()
+            outcome.append("ok")
+        except RuntimeError as e:
+            outcome.append(str(e))
+    reference(x).backward()
+    diff = _max_diff(
+        [p.grad * 2 for p in model.parameters()], [p.grad for p in reference.parameters()]
+    )
+    return {"outcome": outcome, "diff": diff}
+
+
+def test_an_exception_in_backward_leaves_the_wrapper_usable(cluster2):
+    for r in cluster2.run(_survives_a_failed_backward):
+        assert r["outcome"][0] == "ok" and r["outcome"][2] == "ok"
+        assert "planted failure" in r["outcome"][1]
+        assert r["diff"] < 1e-12  # the step after the failure is a correct step
+
+
+class _LockChecker(dplab.trace.NullObserver):
+    """Records whether the DDP held its lock whenever a hook told the observer something."""
+
+    def attach(self, ddp):
+        self.ddp, self.held = ddp, []
+
+    def grad_ready(self, index):
+        self.held.append(self.ddp._lock.locked())
+
+    def allreduce_start(self, bucket):
+        self.held.append(self.ddp._lock.locked())
+
+
+def _hooks_hold_the_lock() -> list[bool]:
+    checker = _LockChecker()
+    ddp = dplab.DDP(make_model("mlp"), tracer=checker, bucket_cap_mb=0.001)
+    x, y = make_batch("mlp", 4)
+    for _ in range(2):
+        ddp(x, y).backward()
+    return checker.held
+
+
+def test_hook_state_changes_under_a_lock(cluster2):
+    """Autograd runs CPU and CUDA parameters' hooks on different threads: every change of the
+    DDP's per-step state happens under its lock."""
+    for held in cluster2.run(_hooks_hold_the_lock):
+        assert held and all(held)
+
+
+class _Sent(dplab.trace.NullObserver):
+    def attach(self, ddp):
+        self.sent = []
+
+    def allreduce_launched(self, bucket, work, nbytes):
+        self.sent.append((bucket, type(work).__name__, nbytes))
+
+
+def _hooked_bytes() -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    watcher = _Sent()
+    ddp = dplab.DDP(make_model("mlp"), tracer=watcher)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    x, y = make_batch("mlp", 4)
+    ddp(x, y).backward()
+    return {"sent": watcher.sent, "bucket_bytes": [b.nbytes for b in ddp.buckets]}
+
+
+def test_a_hooked_bucket_reports_the_bytes_its_hook_sent(cluster2):
+    r = cluster2.run(_hooked_bytes)[0]
+    assert [nbytes for _, _, nbytes in r["sent"]] == [n // 2 for n in r["bucket_bytes"]]  # fp16
+    assert all(kind == "Future" for _, kind, _ in r["sent"])
+
+
+def _refused(kind: str) -> None:
+    kwargs = {
+        "static_graph": {"static_graph": True},
+        "mixed_precision": {"mixed_precision": object()},
+        "bucket_cap_mb_list": {"bucket_cap_mb_list": [1, 2]},
+        "device_ids": {"device_ids": [0]},
+        "two_device_ids": {"device_ids": [0, 1]},
+    }[kind]
+    dplab.DDP(nn.Linear(2, 2), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("static_graph", "does not support static_graph=True"),
+        ("mixed_precision", "does not support mixed_precision="),
+        ("bucket_cap_mb_list", r"does not support bucket_cap_mb_list=\[1, 2\]"),
+        ("device_ids", "device_ids and output_device arguments only work with"),
+        ("two_device_ids", "device_ids can only be None or contain a single element"),
+    ],
+)
+def test_torch_arguments_dplab_does_not_support_are_refused_by_name(cluster2, kind, message):
+    with pytest.raises(dplab.RankError, match=message):
+        cluster2.run(_refused, kind)
+
+
+def _traced_hook() -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    tracer = dplab.Tracer()
+    ddp = dplab.DDP(make_model("mlp"), bucket_cap_mb=0.01, tracer=tracer)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = tracer.watch(torch.optim.SGD(ddp.parameters(), lr=0.1))
+    x, y = make_batch("mlp", 4)
+    for _ in range(3):
+        ddp(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    last = tracer.steps[-1]
+    spans = last.of("allreduce")
+    return {
+        "spans": [(s.bucket, s.nbytes, s.end_ms >= s.start_ms) for s in spans],
+        "bucket_bytes": [b.nbytes for b in ddp.buckets],
+    }
+
+
+def test_the_tracer_shows_a_hooked_buckets_span_and_the_bytes_it_sent(cluster2):
+    r = cluster2.run(_traced_hook)[0]
+    assert len(r["bucket_bytes"]) > 1
+    assert sorted(b for b, _, _ in r["spans"]) == list(range(len(r["bucket_bytes"])))
+    assert all(ok for _, _, ok in r["spans"])
+    assert {b: n for b, n, _ in r["spans"]} == {
+        b: n // 2 for b, n in enumerate(r["bucket_bytes"])
+    }  # fp16 on the wire
+
+
+def _views_kept_versus_torch() -> float:
+    """With views and zero_grad(set_to_none=False), torch divides each slot by N in place; at
+    N = 3 that differs in the last bit from multiplying by 1/3, so this tells the two apart."""
+    nets = [
+        dplab.DDP(make_model("mlp", seed=1), gradient_as_bucket_view=True, bucket_cap_mb=0.01),
+        nn.parallel.DistributedDataParallel(
+            make_model("mlp", seed=1), gradient_as_bucket_view=True, bucket_cap_mb=0.01
+        ),
+    ]
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    for step in range(3):
+        x, y = make_batch("mlp", 12, seed=step)
+        for net, opt in zip(nets, opts, strict=True):
+            net(_shard(x), _shard(y)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    return _max_diff(_params(nets[0].module), _params(nets[1].module))
+
+
+def test_three_ranks_with_views_kept_between_steps_equal_torch_bit_for_bit(cluster3):
+    assert cluster3.run(_views_kept_versus_torch) == [0.0, 0.0, 0.0]

@@ -1,19 +1,33 @@
-"""Which gradients share an all-reduce: torch DDP's bucket rule, written out.
+"""Which gradients share an all-reduce: torch DDP's bucket rules, written out.
 
-Parameters are walked in *reverse* registration order, because backward produces gradients
-roughly last layer first. Each (dtype, device) pair fills its own bucket: add a parameter, and
-once the bucket's bytes reach the limit, close it. A parameter is never split across buckets.
-The first bucket of each dtype gets its own (smaller) limit so that the last layers' gradients
-start their all-reduce early instead of waiting to fill 25 MiB. Buckets are then ordered by the
-smallest index they hold, so that they become ready one after the other.
+The cutting rule (:func:`assign_buckets`): each (dtype, device) pair fills its own bucket; add a
+parameter, and once the bucket's bytes reach the limit, close it. A parameter is never split.
+The first bucket of each key gets its own limit, later ones the next. This is what
+``torch.distributed._compute_bucket_assignment_by_size`` does in C++; the tests check this
+function against torch's own cases and against that function.
 
-This is what ``torch.distributed._compute_bucket_assignment_by_size`` does in C++; the tests check
-this function against torch's own cases.
+When torch applies the rule, and to which order (:func:`torch_initial_buckets`,
+:func:`rebuilt_buckets`):
+
+- At construction, over the parameters in *registration* order. Without
+  ``find_unused_parameters`` the limit is infinite (one bucket per dtype/device: torch does not
+  trust registration order to be the gradient order, so iteration 0 overlaps nothing); with it,
+  the caps. The list of buckets is then reversed, so the last layers' bucket comes first.
+- After the first iteration (only without ``find_unused_parameters``), once, over the order in
+  which rank 0's gradients became ready, with the caps ``[first, cap]``. The first cap is
+  torch's 1 MiB only when ``bucket_cap_mb`` was left at its default, else the cap itself.
+  ``DDP_SET_LAST_BUCKET_CAP=1`` cuts the reversed order and reverses the result, which puts the
+  small bucket last.
+
+The textbook variant the lessons use (:func:`bucket_plan`): reverse registration order from the
+start, first bucket ``min(cap, 1 MiB)`` unless chosen (:func:`first_bucket_cap`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Hashable, Sequence
 from numbers import Real
 from typing import Any
@@ -21,6 +35,14 @@ from typing import Any
 MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch's bucket_cap_mb default
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's _DEFAULT_FIRST_BUCKET_BYTES, in MiB
+
+
+def torch_first_bucket_cap(bucket_cap_mb: float | None) -> float:
+    """torch's first-bucket cap in MiB: 1 MiB when ``bucket_cap_mb`` is left at its default
+    (``None``), otherwise the cap itself (torch ``_BucketCapacityConfig``)."""
+    if bucket_cap_mb is None:
+        return DEFAULT_FIRST_BUCKET_CAP_MB
+    return check_cap_mb("bucket_cap_mb", bucket_cap_mb)
 
 
 def first_bucket_cap(bucket_cap_mb: float, first_bucket_cap_mb: float | None = None) -> float:
@@ -60,8 +82,10 @@ def assign_buckets(
     ``nbytes[i]`` and ``keys[i]`` (dtype, device) describe tensor ``i``. A bucket closes once its
     bytes reach its limit; every key walks ``limits`` on its own, staying on the last one.
     With ``in_given_order`` (the rebuild after the first iteration, whose order is already the
-    order gradients became ready) the buckets keep the order in which they closed; otherwise
-    they are sorted by the smallest index they hold.
+    order gradients became ready) the buckets keep the order in which they closed, and the
+    buckets still open at the end follow, the most recently seen key first: that is how torch's
+    C++ walks its hash map of open buckets (checked against torch's own function in the tests).
+    Otherwise they are sorted by the smallest index they hold.
     """
     if len(nbytes) != len(keys):
         raise ValueError(f"{len(nbytes)} sizes but {len(keys)} keys")
@@ -81,7 +105,9 @@ def assign_buckets(
             limit_index[key] = min(level + 1, len(limits) - 1)
         else:
             open_buckets[key] = (indices, total)
-    closed.extend(indices for indices, _ in open_buckets.values())
+    first_seen = list(dict.fromkeys(keys))
+    leftovers = [open_buckets[k][0] for k in reversed(first_seen) if k in open_buckets]
+    closed.extend(leftovers)
     if not in_given_order:
         closed.sort(key=min)
     return closed
@@ -109,3 +135,55 @@ def bucket_plan(
         limits,
         in_given_order=in_given_order,
     )
+
+
+def torch_initial_buckets(
+    nbytes: Sequence[int],
+    keys: Sequence[Hashable],
+    *,
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float,
+    find_unused_parameters: bool,
+) -> list[list[int]]:
+    """torch's buckets at construction over tensors in *registration* order (see the module doc).
+
+    Returns the buckets in reduction order; each bucket lists its tensor indices in the order
+    they sit in its flat buffer.
+    """
+    if not find_unused_parameters:
+        limits = [sys.maxsize]  # one bucket per dtype/device until the rebuild
+    elif first_bucket_cap_mb < bucket_cap_mb:
+        limits = [cap_bytes(first_bucket_cap_mb), cap_bytes(bucket_cap_mb)]
+    else:
+        limits = [cap_bytes(bucket_cap_mb)]
+    return list(reversed(assign_buckets(nbytes, keys, limits)))
+
+
+def set_last_bucket_cap() -> bool:
+    """torch's ``DDP_SET_LAST_BUCKET_CAP=1``: the rebuild puts the small bucket last."""
+    return os.environ.get("DDP_SET_LAST_BUCKET_CAP", "N/A") == "1"
+
+
+def rebuilt_buckets(
+    order: Sequence[int],
+    nbytes: Sequence[int],
+    keys: Sequence[Hashable],
+    *,
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float,
+    small_last: bool | None = None,
+) -> list[list[int]]:
+    """Buckets over ``order`` (the order gradients became ready): torch's rebuild.
+
+    ``nbytes``/``keys`` are indexed by tensor index; the result holds tensor indices, buckets in
+    reduction order. ``small_last`` defaults to :func:`set_last_bucket_cap`.
+    """
+    if small_last is None:
+        small_last = set_last_bucket_cap()
+    walk = list(reversed(order)) if small_last else list(order)
+    limits = [cap_bytes(first_bucket_cap_mb), cap_bytes(bucket_cap_mb)]
+    plan = assign_buckets(
+        [nbytes[i] for i in walk], [keys[i] for i in walk], limits, in_given_order=True
+    )
+    buckets = [[walk[j] for j in bucket] for bucket in plan]
+    return list(reversed(buckets)) if small_last else buckets

@@ -108,7 +108,9 @@ def rank_state(
             process_group=group,
         )
     elif ddp == "dplab":
-        wrapped = dplab.DDP(model, bucket_cap_mb=bucket_cap_mb, process_group=group)
+        wrapped = dplab.DDP(
+            model, bucket_cap_mb=bucket_cap_mb, process_group=group, gradient_as_bucket_view=True
+        )
     else:
         raise ValueError(f"ddp must be 'torch' or 'dplab', got {ddp!r}")
 

@@ -244,7 +244,7 @@ def test_inside_torchrun_the_call_runs_in_place(tmp_path):
         text=True,
         timeout=180,
         cwd=tmp_path,
-        env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"),
+        env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (0, 1):  # every rank gets every rank's result

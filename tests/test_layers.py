@@ -19,7 +19,14 @@ PACKAGE = ROOT / "dplab"
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dplab._units", "dplab._checks", "dplab.env", "dplab._nested"),
-    ("dplab.launch", "dplab._worker", "dplab.models", "dplab.trace", "dplab.collectives"),
+    (
+        "dplab.launch",
+        "dplab._worker",
+        "dplab.nodes",
+        "dplab.models",
+        "dplab.trace",
+        "dplab.collectives",
+    ),
     # the package root re-exports launch, DDP and the trace: it sits with what it re-exports
     ("dplab.ddp", "dplab"),
     ("dplab.sim", "dplab.memory", "dplab.mechanics"),

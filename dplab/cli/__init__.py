@@ -13,11 +13,21 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from dplab.cli import bandwidth, check, doctor, html, memory, profile, simulate, trace
+from dplab.cli import bandwidth, check, cluster, doctor, html, memory, profile, simulate, trace
 
 __all__ = ["VERBS", "main"]
 
-VERBS: tuple[ModuleType, ...] = (check, memory, bandwidth, trace, simulate, profile, doctor, html)
+VERBS: tuple[ModuleType, ...] = (
+    check,
+    memory,
+    bandwidth,
+    trace,
+    simulate,
+    profile,
+    doctor,
+    html,
+    cluster,
+)
 DESCRIPTION = "dplab: the command line of the course (python -m dplab VERB --help for a verb)."
 
 

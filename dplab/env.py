@@ -86,3 +86,15 @@ def resolve_backend(backend: str, world_size: int, *, gpus: int | None = None) -
 def in_torchrun() -> bool:
     """True inside torchrun (or any launcher that sets the env:// variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists: how a leftover of a dead owner (rank logs, namespaces) is
+    told from one whose owner still runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

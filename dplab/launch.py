@@ -47,7 +47,7 @@ from typing import Any
 import cloudpickle
 
 from dplab import _checks
-from dplab.env import gpu_count, in_torchrun, resolve_backend, usable_cpus
+from dplab.env import gpu_count, in_torchrun, pid_alive, resolve_backend, usable_cpus
 
 __all__ = [
     "Cluster",
@@ -246,16 +246,6 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_logdirs() -> None:
     """Remove the log folders of pools whose owner process is gone (killed, kernel restart)."""
     pattern = re.compile(re.escape(LOG_PREFIX) + r"(\d+)-")
@@ -263,7 +253,7 @@ def _remove_stale_logdirs() -> None:
     with contextlib.suppress(OSError):
         for name in os.listdir(root):
             match = pattern.match(name)
-            if match and not _pid_alive(int(match[1])):
+            if match and not pid_alive(int(match[1])):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

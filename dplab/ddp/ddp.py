@@ -26,7 +26,6 @@ a rebuild, once, in the order rank 0's gradients became ready. The lessons' text
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import warnings
 import weakref
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dplab._nested import tensors_in
 from dplab.ddp.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     assign_buckets,
@@ -393,7 +393,7 @@ class DDP(nn.Module):
         self._generation += 1
         self._sync_this_backward = sync
         if sync:
-            tensors = [t for t in _find_tensors(out) if t.grad_fn is not None]
+            tensors = [t for t in tensors_in(out) if t.grad_fn is not None]
             if self.find_unused_parameters:
                 self._unused_this_backward = self._unreachable_params(tensors)
             me, generation = weakref.ref(self), self._generation
@@ -841,22 +841,6 @@ def _devices(
     if isinstance(output_device, int):
         out = output_device
     return ids, out
-
-
-def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a forward's output: tensors, lists, tuples, dicts, dataclasses (torch's
-    walk)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple):
-        for item in obj:
-            yield from _find_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _find_tensors(item)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            yield from _find_tensors(getattr(obj, field.name))
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
+from dplab.env import pid_alive
+
 PREFIX = "dplab-n"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(?P<pid>\d+)-(?P<seq>\d+)-(?P<role>k\d+|sw)$")
 SUBNET = "10.77.0"
@@ -84,16 +86,6 @@ def ours(names: list[str] | None = None) -> list[str]:
     return [n for n in (list_netns() if names is None else names) if _NAME.match(n)]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _netns_pids(netns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
     return [int(p) for p in out.split() if p.isdigit()]
@@ -124,7 +116,7 @@ def delete_netns(names: list[str]) -> None:
 
 def remove_leftovers() -> list[str]:
     """Delete the namespaces of runs whose owner process is dead; return their names."""
-    stale = [n for n in ours() if not _pid_alive(int(_NAME.match(n)["pid"]))]  # type: ignore[index]
+    stale = [n for n in ours() if not pid_alive(int(_NAME.match(n)["pid"]))]  # type: ignore[index]
     if stale:
         delete_netns(stale)
     return stale

@@ -1,4 +1,8 @@
-"""``python -m dplab bandwidth``: all-reduce time against size on N ranks, with an α-β fit."""
+"""``python -m dplab bandwidth``: all-reduce time against size on N ranks, with an α-β fit.
+
+``--out`` and ``--html`` are checked before the ranks start and written atomically (a temporary
+file beside each, then a rename).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,16 @@ import argparse
 import json
 import sys
 
-from dplab._checks import check_world_size
 from dplab._units import KIB, MIB, format_size
+from dplab.cli._args import (
+    CliError,
+    check_output_file,
+    check_ranks,
+    fail,
+    positive_float,
+    positive_int,
+    world_size,
+)
 from dplab.collectives import (
     ALGORITHMS,
     bandwidth_report,
@@ -17,25 +29,31 @@ from dplab.collectives import (
     geometric_sizes,
     measure_bandwidth,
 )
+from dplab.trace.files import write_atomic
 
 
 def cmd_bandwidth(args: argparse.Namespace) -> int:
     """Measure all-reduce time against size, fit α-β, print; optionally save JSON and a plot."""
     if args.max_size_mb <= 0 or args.min_size_kb <= 0:
-        print(
+        return fail(
             f"sizes must be > 0, got --min-size-kb {args.min_size_kb} "
-            f"--max-size-mb {args.max_size_mb}",
-            file=sys.stderr,
+            f"--max-size-mb {args.max_size_mb}"
         )
-        return 2
     try:
-        check_world_size(args.world_size, minimum=2)
+        world_size("--world-size", args.world_size, minimum=2)
+        positive_float("--min-size-kb", args.min_size_kb)  # also refuses nan and inf
+        positive_float("--max-size-mb", args.max_size_mb)
+        positive_int("--repeats", args.repeats)
+        check_ranks(args.world_size)
         sizes = geometric_sizes(
             int(args.min_size_kb * KIB), int(args.max_size_mb * MIB), args.factor
         )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if args.out is not None:
+            check_output_file(args.out, what="--out")
+        if args.html is not None:
+            check_output_file(args.html, what="--html", inputs={"--out": args.out})
+    except (CliError, ValueError) as e:
+        return fail(str(e))
     print(
         f"all-reduce bandwidth on {args.world_size} ranks ({args.backend}), "
         f"{len(sizes)} sizes {format_size(sizes[0])}..{format_size(sizes[-1])}, "
@@ -53,18 +71,19 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     fits = fit_rows(rows)
     for (a, _), f in sorted(fits.items()):
         print(format_fit(a, f))
-    command = "python -m dplab " + " ".join(sys.argv[1:]) if sys.argv[1:] else "python -m dplab"
+    command = " ".join(["python -m dplab bandwidth", *getattr(args, "argv", sys.argv[2:])])
     if args.out:
         from dplab.env import resolve_backend
 
         backend = resolve_backend(args.backend, args.world_size)
-        with open(args.out, "w") as f:
-            json.dump(bandwidth_report(rows, command=command, backend=backend), f, indent=1)
+        report = bandwidth_report(rows, command=command, backend=backend)
+        write_atomic(args.out, json.dumps(report, indent=1))
         print(f"wrote {args.out}")
     if args.html:
         from dplab.viz.collectives import bandwidth_figure
 
-        bandwidth_figure(rows, fits).write_html(args.html, include_plotlyjs=True)
+        fig = bandwidth_figure(rows, fits)
+        write_atomic(args.html, fig.to_html(include_plotlyjs=True, full_html=True))
         print(f"wrote {args.html}")
     return 0
 

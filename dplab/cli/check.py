@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dplab.cli._args import CliError, check_ranks, fail, world_size
+
 
 def _check_allreduce() -> float:
     import torch
@@ -19,6 +21,11 @@ def _check_allreduce() -> float:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Print what this machine offers and prove that ranks can all-reduce."""
+    try:
+        world_size("--world-size", args.world_size)
+        check_ranks(args.world_size)
+    except CliError as e:
+        return fail(str(e))
     import platform
 
     import torch

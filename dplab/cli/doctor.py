@@ -14,6 +14,33 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
+
+from dplab.cli._args import CliError, cap_mb, check_output_file, fail
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Path, Any]:
+    """The trace folder, the logging data and the timeline's path, checked before reading."""
+    folder = Path(args.trace_dir)
+    if args.trace_dir == "" or not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is not a folder"
+        raise CliError(
+            f"TRACE_DIR {args.trace_dir!r} {what}: give the folder of torch.profiler traces"
+        )
+    if args.current_cap_mb is not None:
+        cap_mb("--current-cap-mb", args.current_cap_mb)
+    logging_data = None
+    if args.ddp_logging_data is not None:
+        path = Path(args.ddp_logging_data)
+        try:
+            logging_data = json.loads(path.read_text())
+        except OSError as e:
+            raise CliError(f"--ddp-logging-data {str(path)!r}: {e.strerror or e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CliError(f"--ddp-logging-data {str(path)!r} is not JSON: {e}") from None
+    out = Path(args.html) if args.html is not None else folder / "timeline.html"
+    check_output_file(str(out), what="--html", inputs={"--ddp-logging-data": args.ddp_logging_data})
+    return out, logging_data
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -22,17 +49,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from dplab.trace.profiler import from_profiler
     from dplab.viz.timeline import timeline_figure
 
-    logging_data = (
-        json.loads(Path(args.ddp_logging_data).read_text()) if args.ddp_logging_data else None
-    )
-    runs = from_profiler(args.trace_dir, ddp_logging_data=logging_data)
-    d = diagnose(
-        runs,
-        link=args.link,
-        prior=args.prior,
-        current_cap_mb=args.current_cap_mb,
-        ddp_logging_data=logging_data,
-    )
+    try:
+        out, logging_data = _inputs(args)
+        runs = from_profiler(args.trace_dir, ddp_logging_data=logging_data)
+        d = diagnose(
+            runs,
+            link=args.link,
+            prior=args.prior,
+            current_cap_mb=args.current_cap_mb,
+            ddp_logging_data=logging_data,
+        )
+    except (CliError, ValueError, FileNotFoundError) as e:
+        return fail(str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
     print(d.summary())
     panels = [[steps[-1] for steps in runs]]
     titles = [f"measured: step {runs[0][-1].step}, cap {d.current_cap_mb:.3g} MiB"]
@@ -40,7 +68,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         panels.append([d.simulated_best])
         titles.append(f"predicted at {d.best_cap_mb:.3g} MiB ({d.link.name})")
     fig = timeline_figure(panels, panel_titles=titles, title="dplab doctor: " + str(args.trace_dir))
-    out = Path(args.html) if args.html else Path(args.trace_dir) / "timeline.html"
     write_atomic(out, fig.to_html(include_plotlyjs=True, full_html=True))
     print(f"timeline: {out}")
     return 0

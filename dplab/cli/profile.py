@@ -1,18 +1,35 @@
-"""``python -m dplab profile``: measure a model's backward profile on real ranks, save it."""
+"""``python -m dplab profile``: measure a model's backward profile on real ranks, save it.
+
+The output file is checked before the ranks start and written atomically (a temporary file
+beside it, then a rename): an interrupted run leaves the old profile, never half a new one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from dplab._units import MIB
-from dplab.cli.simulate import fail
+from dplab.cli._args import CliError, check_output_file, check_ranks, count, fail, positive_int
+from dplab.models import MODELS
 from dplab.sim import measure_profile
+from dplab.trace.files import write_atomic
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure a BackwardProfile on real ranks and save it as JSON."""
-    command = "python -m dplab " + " ".join(sys.argv[1:]) if sys.argv[1:] else "python -m dplab"
+    try:
+        positive_int("--world-size", args.world_size)
+        for flag in ("--batch-size", "--steps"):
+            positive_int(flag, getattr(args, flag[2:].replace("-", "_")))
+        for flag in ("--warmup", "--contention-repeats"):
+            count(flag, getattr(args, flag[2:].replace("-", "_")))
+        check_output_file(args.out, what="--out")
+        check_ranks(args.world_size)
+    except CliError as e:
+        return fail(str(e))
+    command = " ".join(["python -m dplab profile", *getattr(args, "argv", sys.argv[2:])])
     print(
         f"profiling {args.model} on {args.world_size} ranks: {args.steps} timed steps "
         f"after {args.warmup} warm-up ...",
@@ -30,7 +47,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         return fail(str(e))
-    profile.save(args.out)
+    write_atomic(args.out, json.dumps(profile.to_dict(), indent=1) + "\n")
     print(
         f"{len(profile.params)} parameters, {profile.total_bytes / MIB:,.2f} MiB of gradients; "
         f"forward {profile.forward_ms:,.1f} ms, backward {profile.backward_ms:,.1f} ms, "
@@ -49,7 +66,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("profile", help="measure a model's backward profile on real ranks")
-    q.add_argument("--model", default="tiny-gpt")
+    q.add_argument("--model", default="tiny-gpt", choices=MODELS)
     q.add_argument("--out", required=True, help="where to write the profile JSON")
     q.add_argument("--world-size", type=int, default=2)
     q.add_argument("--batch-size", type=int, default=8)

@@ -3,17 +3,20 @@
 python -m dplab simulate --preset aws-p5 --nodes 16 --model gpt-7m
 python -m dplab simulate --gpu h100 --gpus-per-node 8 --nodes 4 --nic-gbps 400 --model gpt-7m
 python -m dplab simulate --profile my_profile.json --link gloo-loopback --world-size 4
+
+``--json`` is checked before anything is computed (it may not be the ``--profile`` it reads)
+and written atomically: a temporary file beside it, then a rename.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 from dplab._units import MIB
+from dplab.cli._args import CliError, cap_mb, check_output_file, fail, positive_float
 from dplab.sim import (
     FABRIC_PRESETS,
     GPUS,
@@ -27,11 +30,9 @@ from dplab.sim import (
 )
 from dplab.sim.fabric import NETWORKS
 from dplab.sim.link import ASSETS
+from dplab.trace.files import write_atomic
 
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
+__all__ = ["add_cli", "cmd_simulate", "fail", "format_metrics"]
 
 
 def format_metrics(trace) -> str:
@@ -87,6 +88,11 @@ def _profile(args: argparse.Namespace) -> BackwardProfile:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict one step's metrics and the best bucket cap from a saved profile."""
     try:
+        cap_mb("--bucket-cap-mb", args.bucket_cap_mb)
+        cap_mb("--first-bucket-cap-mb", args.first_bucket_cap_mb)
+        positive_float("--compute-speedup", args.compute_speedup)
+        if args.json is not None:
+            check_output_file(args.json, what="--json", inputs={"--profile": args.profile})
         profile = _profile(args)
         fabric = _fabric(args)
         if fabric is None:
@@ -121,7 +127,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             contention=contention,
             **net,
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (CliError, ValueError, FileNotFoundError) as e:
         return fail(str(e))
     n_buckets = len(trace.buckets)
     where = fabric if fabric is not None else net["link"]
@@ -145,9 +151,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"best bucket cap: {best:g} MiB -> t_step {at_best.metrics.t_step_ms:,.2f} ms "
         f"({gain:.1%} less than at {args.bucket_cap_mb:g} MiB)"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"trace": trace.to_dict(), "best_bucket_cap_mb": best}, f, indent=1)
+    if args.json is not None:
+        doc = {"trace": trace.to_dict(), "best_bucket_cap_mb": best}
+        write_atomic(args.json, json.dumps(doc, indent=1))
         print(f"wrote {args.json}")
     return 0
 

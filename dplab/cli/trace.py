@@ -4,6 +4,11 @@ Writes ``rank{r}.json`` per rank, ``trace.json`` (Chrome trace events: open it i
 https://ui.perfetto.dev or chrome://tracing) and ``timeline.html`` (a plotly timeline with
 plotly.js embedded, so it opens offline). Under ``torchrun --nproc-per-node N -m dplab trace …``
 every process traces its own rank and rank 0 writes the files for all.
+
+Everything that can be checked is checked before a rank starts: the numbers (argparse types),
+the world size against what this machine holds, and the output folder (empty, absent, or a
+run to replace with ``--overwrite``; never someone else's files; creatable). The files are
+written into a temporary folder that is renamed into place whole (:func:`save_run`).
 """
 
 from __future__ import annotations
@@ -13,17 +18,70 @@ import os
 import time
 from pathlib import Path
 
+from dplab.cli._args import (
+    CliError,
+    cap_mb,
+    check_ranks,
+    check_writable_folder,
+    count,
+    fail,
+    positive_int,
+)
+
+
+def check_trace_args(args: argparse.Namespace, world_size: int) -> Path:
+    """Everything the run would otherwise find out after measuring; the output folder."""
+    from dplab.ddp import VARIANTS
+    from dplab.models import MODELS
+    from dplab.trace.files import check_run_folder
+
+    positive_int("--world-size", world_size)
+    for flag in ("--bucket-cap-mb", "--first-bucket-cap-mb"):
+        cap_mb(flag, getattr(args, _attr(flag)))
+    for flag in ("--steps", "--batch-size"):
+        positive_int(flag, getattr(args, _attr(flag)))
+    count("--warmup", args.warmup)
+    if args.model not in MODELS or args.variant not in VARIANTS:  # argparse's choices, in code
+        raise CliError(f"--model {args.model!r} / --variant {args.variant!r}: unknown")
+
+    if args.out == "":
+        raise CliError("--out is empty: name a folder for the run, e.g. --out runs/NAME/")
+    try:
+        out = check_run_folder(args.out, overwrite=args.overwrite)
+    except FileExistsError as e:
+        raise CliError(f"--out: {str(e).replace('overwrite=True', '--overwrite')}") from None
+    except (NotADirectoryError, ValueError) as e:
+        raise CliError(f"--out {args.out!r}: {e}") from None
+    check_writable_folder(out.absolute().parent, what="--out")
+    check_ranks(world_size)
+    return out
+
+
+def _attr(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
 
 def cmd_trace(args: argparse.Namespace) -> int:
+    from dplab.env import in_torchrun
+
+    world_size = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.world_size
+    try:
+        check_trace_args(args, world_size)
+    except CliError as e:
+        return fail(str(e))
+    return _trace(args, world_size)
+
+
+def _trace(args: argparse.Namespace, world_size: int) -> int:
     import torch.distributed as dist
 
     import dplab
     from dplab.ddp import measure_ddp
-    from dplab.env import in_torchrun, machine_info
+    from dplab.env import machine_info
     from dplab.trace import last_steps
-    from dplab.trace.files import save_run, write_atomic
+    from dplab.trace.files import save_run
+    from dplab.viz.timeline import timeline_figure
 
-    world_size = int(os.environ["WORLD_SIZE"]) if in_torchrun() else args.world_size
     load_before = [round(x, 2) for x in os.getloadavg()]
     kwargs = {
         "bucket_cap_mb": args.bucket_cap_mb,
@@ -52,15 +110,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
             "load_average_before": load_before,
         },
     }
-    paths = save_run(steps, args.out, meta)
-    from dplab.viz.timeline import timeline_figure
-
     fig = timeline_figure(
         last_steps(steps),
         title=f"{args.model}, {world_size} ranks, bucket cap {args.bucket_cap_mb} MiB",
     )
-    paths["html"] = write_atomic(
-        Path(args.out) / "timeline.html", fig.to_html(include_plotlyjs=True, full_html=True)
+    html = fig.to_html(include_plotlyjs=True, full_html=True)
+    # One rename puts the traces and the timeline in place together.
+    paths = save_run(
+        steps, args.out, meta, overwrite=args.overwrite, extra_files={"timeline.html": html}
     )
     last = steps[0][-1].metrics
     print(
@@ -90,4 +147,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=8, help="per rank (B_local)")
     p.add_argument("--out", required=True, help="folder for the files, e.g. runs/NAME/")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (a folder of someone else's files never is)",
+    )
     p.set_defaults(func=cmd_trace)

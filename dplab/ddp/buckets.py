@@ -62,6 +62,11 @@ def check_cap_mb(name: str, value: Any) -> float:
         raise ValueError(f"{name} must be a finite number of MiB, got {value!r}")
     if value <= 0:
         raise ValueError(f"{name} must be > 0 MiB, got {value!r}")
+    if cap_bytes(value) < 1:
+        raise ValueError(
+            f"{name}={value!r} is {cap_bytes(value)} bytes: must be at least 1 byte "
+            f"({1 / MIB:.3g} MiB)"
+        )
     return float(value)
 
 

@@ -34,9 +34,10 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
+from numbers import Real
 from typing import Any
 
-from dplab._checks import check_world_size
+from dplab._checks import check_nonneg, check_world_size
 from dplab._units import MIB
 from dplab.ddp.buckets import bucket_plan, check_cap_mb
 from dplab.sim.contention import Contention
@@ -119,8 +120,21 @@ def schedule(
     prep = [0.0] * n if prep_ms is None else list(prep_ms)
     if len(busy) != n or len(prep) != n or len(comm_ms) != n:
         raise ValueError("ready, comm_ms, busy_comm_ms and prep_ms need one entry per bucket")
+    for name, values in (("ready", ready), ("comm_ms", comm_ms), ("busy_comm_ms", busy)):
+        _check_times(name, values)
+    _check_times("prep_ms", prep)
+    check_nonneg("backward_ms", backward_ms)
+    check_nonneg("compute_slowdown", compute_slowdown)
     if any(q < c for q, c in zip(busy, comm_ms, strict=True)):
         raise ValueError("busy_comm_ms must be >= comm_ms (being busy never speeds comm up)")
+    # Every time adds to the wall clock; a sum that overflows to inf would never let the loop
+    # below finish (inf - inf is nan), so an overflowing step is refused up front.
+    slowest = (1.0 + compute_slowdown) * (max(backward_ms, *ready, 0.0) + sum(prep)) + sum(busy)
+    if not math.isfinite(slowest):
+        raise ValueError(
+            "the step's times overflow (backward, divisions and all-reduces add up to more than "
+            f"{_FLOAT_MAX:.3g} ms): check the link or profile numbers"
+        )
     # Lay the division work into the compute timeline: at launch point L_b (when b and all
     # earlier buckets are ready) the compute thread divides b, pushing later work back.
     launch_at = list(itertools.accumulate(ready, max))
@@ -141,7 +155,9 @@ def schedule(
     backward_end = math.nan if total > 0 else 0.0
     ev = nxt = 0  # next event; next bucket to start on the lane
     active, left = -1, 0.0  # bucket on the lane and its remaining quiet ms
-    while True:
+    # Each pass ends compute, an all-reduce, or reaches an event; float rounding of a nearly
+    # finished all-reduce can add a pass or two more. Past this many something is wrong.
+    for _ in range(8 * (len(events) + n) + 16):
         while ev < len(events) and events[ev][0] <= done:
             _, kind, b = events[ev]
             (launched if kind else ready_wall)[b] = wall
@@ -173,7 +189,24 @@ def schedule(
                 ends[active], active = wall, -1
             else:
                 left -= dt * rate_m
+                if left <= 0.0:  # rounding: what is left is below the clock's resolution
+                    ends[active], active = wall, -1
+    else:
+        raise RuntimeError(
+            f"the step schedule did not settle after {8 * (len(events) + n) + 16} events "
+            f"(backward_ms={backward_ms!r}, comm_ms={list(comm_ms)!r}): please report it"
+        )
     return ready_wall, starts, ends, backward_end
+
+
+_FLOAT_MAX = 1.7976931348623157e308
+
+
+def _check_times(name: str, values: Sequence[float]) -> None:
+    """Every duration the schedule adds is a finite number >= 0 (naming the first bad one)."""
+    for i, v in enumerate(values):
+        if not isinstance(v, Real) or isinstance(v, bool) or not 0 <= v < math.inf:
+            raise ValueError(f"{name}[{i}] must be a finite number of ms >= 0, got {v!r}")
 
 
 def simulate(
@@ -200,6 +233,7 @@ def simulate(
     ready_of = {p.name: p.ready_ms for p in profile.params}
     ready = [max(ready_of[name] for name in b["param_names"]) for b in buckets]
     comm = [net.allreduce_s(b["nbytes"], n) * 1e3 for b in buckets]
+    _check_comm(comm, buckets, net, n)
     slow = contention or Contention()
     busy = (
         list(comm)
@@ -264,12 +298,37 @@ def simulate(
     )
 
 
+def _check_comm(comm: list[float], buckets: list[dict], net: Any, n: int) -> None:
+    """An all-reduce the network cannot time in finite ms is the network's numbers' fault:
+    say which bucket and which link, before the schedule is asked to add infinities."""
+    total = math.fsum(comm) if all(math.isfinite(c) for c in comm) else math.inf
+    if math.isfinite(total):
+        return
+    b = next((i for i, c in enumerate(comm) if not math.isfinite(c)), len(comm) - 1)
+    numbers = (
+        f" (alpha_s={net.alpha_s!r} s, bandwidth_Bps={net.bandwidth_Bps!r} B/s)"
+        if isinstance(net, Link)
+        else ""
+    )
+    raise ValueError(
+        f"the all-reduces on {net.name!r}{numbers} at world size {n:,} take longer than a float "
+        f"can hold (bucket {b}, {buckets[b]['nbytes']:,} bytes: {comm[b]!r} ms; all buckets: "
+        f"{total!r} ms): the link's alpha or bandwidth is out of any real range"
+    )
+
+
 # Candidate caps: the E12 series (1, 1.2, 1.5, 1.8, 2.2, ...), round numbers about 20% apart.
 E12 = (1.0, 1.2, 1.5, 1.8, 2.2, 2.7, 3.3, 3.9, 4.7, 5.6, 6.8, 8.2)
 
 
 def candidate_caps(profile: BackwardProfile, *, low_mb: float = 0.01) -> list[float]:
     """E12 caps from ``low_mb`` up to the first one that holds every gradient in one bucket."""
+    low_mb = check_cap_mb("low_mb", low_mb)  # log10 of 0 or less is a math domain error
+    if int(low_mb * MIB) < 1:
+        raise ValueError(
+            f"low_mb={low_mb!r} is {int(low_mb * MIB)} bytes: a bucket cap must be at least "
+            f"1 byte ({1 / MIB:.3g} MiB)"
+        )
     top = profile.total_bytes / MIB
     caps: list[float] = []
     decade = 10.0 ** math.floor(math.log10(low_mb))

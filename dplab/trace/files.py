@@ -30,7 +30,9 @@ MANIFEST = "run.json"
 MANIFEST_FORMAT = "dplab.run-manifest/1"
 RANK_FILE = re.compile(r"rank(0|[1-9][0-9]*)\.json")
 # What save_run and the trace command put in a run folder; anything else is someone's data.
-RUN_FILES = re.compile(r"rank\d+\.json|trace\.json|timeline\.html|run\.json")
+# what a run folder may hold: the traces, the manifest, and the pages and placement that the
+# trace and cluster verbs add beside them
+RUN_FILES = re.compile(r"rank\d+\.json|trace\.json|timeline(_nodes)?\.html|run\.json|cluster\.json")
 EXTRA_FILES = ("timeline.html",)  # what a caller may add to a run folder beside the traces
 
 

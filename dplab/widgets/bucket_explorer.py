@@ -19,8 +19,9 @@ import ipywidgets as w
 import plotly.graph_objects as go
 
 from dplab._checks import check_world_size as _check_world_size
+from dplab._units import MIB
 from dplab.ddp import first_bucket_cap, measure_ddp
-from dplab.ddp.buckets import DEFAULT_FIRST_BUCKET_CAP_MB, check_cap_mb
+from dplab.ddp.buckets import DEFAULT_FIRST_BUCKET_CAP_MB, cap_bytes, check_cap_mb
 from dplab.launch import Cluster, RankError, RankTimeout
 from dplab.models import MODELS
 from dplab.trace import StepTrace, last_steps
@@ -49,6 +50,17 @@ def check_world_size(value: Any) -> int:
     )
 
 
+def check_bucket_cap(value: Any, name: str = "bucket cap") -> float:
+    """A cap DDP can build buckets with: a finite number of MiB that is at least one byte."""
+    cap = check_cap_mb(name, value)
+    if cap_bytes(cap) < 1:
+        raise ValueError(
+            f"{name} {value!r} MiB is {cap_bytes(cap)} bytes: a bucket cap must be at least "
+            f"1 byte ({1 / MIB:.3g} MiB)"
+        )
+    return cap
+
+
 def check_model(value: Any) -> str:
     if value not in MODELS:
         raise ValueError(f"unknown model {value!r}; choose from {', '.join(MODELS)}")
@@ -63,6 +75,12 @@ def bucket_count_text(trace: StepTrace) -> str:
         f"{n} bucket{'s' if n != 1 else ''}, step {m.t_step_ms:,.0f} ms, "
         f"exposed {m.exposed_comm_ms:,.1f} ms"
     )
+
+
+def _dead_rank_text(cluster: Cluster) -> str:
+    """'rank 1 was killed by SIGKILL' for a pool whose process died, from its repr."""
+    text = repr(cluster).split(", ", 2)[-1].removesuffix(")").removesuffix(": call .restart()")
+    return text if text.startswith("rank ") else "a rank process had exited"
 
 
 class BucketExplorer(w.VBox):
@@ -88,7 +106,7 @@ class BucketExplorer(w.VBox):
         measure: bool = True,
     ):
         check_model(model)
-        cap = check_cap_mb("bucket_cap_mb", bucket_cap_mb)
+        cap = check_bucket_cap(bucket_cap_mb, "bucket_cap_mb")
         if world_size is None:
             world_size = cluster.world_size if cluster is not None else 2
         check_world_size(world_size)
@@ -187,19 +205,28 @@ class BucketExplorer(w.VBox):
         return len(self.traces[0].buckets) if self.traces else None
 
     def set_bucket_cap(self, cap_mb: Any) -> None:
-        """Set any cap (not only the slider's stops); a bad one is refused in the widget."""
+        """Set any cap (not only the slider's stops); a bad one is refused in the widget.
+
+        A new cap is always measured. Replacing the slider's options moves its value to the
+        first option, and a cap below every stop *is* the first option, so the value seen after
+        the swap may already be the new cap: no change event would come, hence the explicit
+        measure.
+        """
         try:
-            cap = check_cap_mb("bucket cap", cap_mb)
+            cap = check_bucket_cap(cap_mb)
         except ValueError as e:
             self._refuse(f"{e}; kept {self.bucket_cap_mb:g} MiB.")
             return
-        if cap not in [v for _, v in self.cap_slider.options]:
-            self._quiet = True
-            try:
+        if cap == self.bucket_cap_mb:
+            return
+        self._quiet = True
+        try:
+            if cap not in [v for _, v in self.cap_slider.options]:
                 self.cap_slider.options = cap_options(cap)
-            finally:
-                self._quiet = False
-        self.cap_slider.value = cap  # observers re-measure (unless it is already the value)
+            self.cap_slider.value = cap
+        finally:
+            self._quiet = False
+        self.measure()
 
     # -- events --------------------------------------------------------------------------------
 
@@ -240,13 +267,21 @@ class BucketExplorer(w.VBox):
     # -- measuring -----------------------------------------------------------------------------
 
     def _ensure_cluster(self) -> Cluster:
-        """A live pool of ``world_size`` ranks: reuse, or (re)start one and say so."""
+        """A live pool of ``world_size`` ranks: reuse it, restart it if it stopped (a rank
+        died, a run was interrupted), or start a new one for a new world size; say which."""
         c = self.cluster
         if c is not None and c.alive and c.world_size == self.world_size:
             return c
+        if c is not None and c.world_size == self.world_size:
+            why = f"the pool had stopped: {c.dead_reason or _dead_rank_text(c)}"
+            self.status_html.value = status_html(
+                f"restarting {self.world_size} ranks ({why}; a few seconds)…", busy=True
+            )
+            # In place, so a pool shared with the notebook is usable there again too.
+            return c.restart()
         why = (
             "a new world size needs new rank processes"
-            if c is not None and c.world_size != self.world_size
+            if c is not None
             else "starting the rank processes"
         )
         self.status_html.value = status_html(

@@ -9,6 +9,9 @@ widget; the last good figure stays on screen.
 from __future__ import annotations
 
 import html
+import math
+from numbers import Real
+from typing import Any
 
 import ipywidgets as w
 import plotly.graph_objects as go
@@ -25,6 +28,24 @@ CUSTOM = "custom"
 _STYLE = {"description_width": "110px"}
 _WIDE = w.Layout(width="340px")
 FIGURE_WIDTH = 1000  # px: room for both panels and the legend
+# The parameter slider's range, as powers of ten: 100 M (smaller models fit anywhere) to 1 T.
+N_PARAMS_LOG10 = (8, 12)
+
+
+def check_n_params(value: Any) -> float:
+    """A parameter count the slider can show. The slider would silently clamp anything else
+    (1e13 to 1e12), and the figure would then be for a model nobody asked about."""
+    lo, hi = (10.0**e for e in N_PARAMS_LOG10)
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"n_params must be a finite number of parameters, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(
+            f"n_params={value:g} is outside the parameter slider's range {lo:g}..{hi:g} "
+            "(100 M to 1 T parameters); the slider would clamp it to "
+            f"{min(max(value, lo), hi):g}. For other sizes use "
+            "dplab.memory.fits(n_params, gpu) or python -m dplab memory --params N"
+        )
+    return float(value)
 
 
 class MemoryWall(w.VBox):
@@ -45,6 +66,7 @@ class MemoryWall(w.VBox):
         zero_stage: int = 0,
         recompute: str = "none",
     ):
+        n_params = check_n_params(n_params)
         self.model = w.Dropdown(
             options=[
                 (f"{m.name} ({fmt_params(m.n_params).removesuffix(' params')})", k)
@@ -59,8 +81,8 @@ class MemoryWall(w.VBox):
         self.n_params = w.FloatLogSlider(
             value=n_params,
             base=10,
-            min=8,
-            max=12,
+            min=N_PARAMS_LOG10[0],
+            max=N_PARAMS_LOG10[1],
             step=0.01,
             description="parameters",
             readout_format=".3s",

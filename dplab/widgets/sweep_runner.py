@@ -20,7 +20,7 @@ from dplab._units import KIB, MIB
 from dplab.collectives import fit_alpha_beta, geometric_sizes, measure_bandwidth
 from dplab.ddp import first_bucket_cap, measure_ddp
 from dplab.ddp.buckets import check_cap_mb
-from dplab.launch import Cluster, RankError, RankTimeout
+from dplab.launch import Cluster, RankError, RankTimeout, check_capacity, check_world_size
 from dplab.models import MODELS
 from dplab.sim import Link, loopback_link, measure_profile
 from dplab.sim import simulate as simulate_step
@@ -90,7 +90,9 @@ class SweepRunner(w.VBox):
 
     ``.rows`` are the measured rows (one per rank per traced step), ``.simulated_rows`` the
     simulator's, ``.figure`` the FigureWidget, ``.message`` why a value was refused or a run
-    failed. Nothing runs until :meth:`run` (or the button), unless ``run=True``.
+    failed. Nothing runs until :meth:`run` (or the button), unless ``run=True``. A
+    ``world_size`` this machine cannot hold (cores, memory per rank) is refused at once;
+    ``oversubscribe=True`` starts it anyway.
     """
 
     def __init__(
@@ -106,7 +108,12 @@ class SweepRunner(w.VBox):
         simulate: bool = True,
         link: Link | None = None,
         run: bool = False,
+        oversubscribe: bool = False,
     ):
+        if cluster is None:
+            # Refused here, not at the first run: 10 000 ranks would take the machine down.
+            world_size = check_capacity(check_world_size(world_size), oversubscribe=oversubscribe)
+        self._oversubscribe = oversubscribe
         if model not in MODELS:
             raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
         caps = parse_caps(caps)
@@ -216,7 +223,9 @@ class SweepRunner(w.VBox):
                 self.status_html.value = status_html(
                     f"starting {self.world_size} ranks…", busy=True
                 )
-                self.cluster = Cluster(self.world_size, timeout_s=300)
+                self.cluster = Cluster(
+                    self.world_size, timeout_s=300, oversubscribe=self._oversubscribe
+                )
                 self._owns_cluster = True
             for r in range(repeats):
                 order = caps if r % 2 == 0 else caps[::-1]

@@ -448,3 +448,30 @@ def test_ddp_names_a_bucket_cap_of_zero_bytes():
         plan(rows, bucket_cap_mb=1e-12, first_bucket_cap_mb=1.0)
     assert "bucket_cap_mb=1e-12 is 0 bytes" in str(e.value)
     assert "at least 1 byte" in str(e.value)
+
+
+# -- item 13e: one Tracer handed to two DDPs -------------------------------------------------------
+
+
+def _two_ddps_one_tracer() -> str:
+    import torch
+
+    import dplab
+
+    tracer = dplab.Tracer()
+    first = dplab.DDP(torch.nn.Linear(4, 4), tracer=tracer)  # still in use
+    try:
+        dplab.DDP(torch.nn.Linear(4, 4), tracer=tracer)
+    except ValueError as e:
+        return str(e)
+    return f"accepted beside {type(first).__name__}"
+
+
+def test_a_tracer_given_to_a_second_ddp_is_refused_by_name():
+    """Before: accepted, then an IndexError inside a grad hook of the first DDP's backward."""
+    from dplab.launch import launch
+
+    messages = launch(_two_ddps_one_tracer, 2, timeout_s=120)
+    for message in messages:
+        assert "already records another dplab.DDP" in message
+        assert "its own Tracer" in message

@@ -22,6 +22,7 @@ What is recorded (times are marks of the clock, resolved after the step):
 from __future__ import annotations
 
 import socket
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,7 @@ class Tracer:
         self._unseen: dict[int, Any] = {}  # workers not yet seen running since the last launch
         self._polls_left = 0
         self.meta: dict[str, Any] = {}
+        self._watched: weakref.ref | None = None
 
     # -- public --------------------------------------------------------------------------------
 
@@ -118,6 +120,13 @@ class Tracer:
     # -- the StepObserver calls, made by dplab.DDP ---------------------------------------------
 
     def attach(self, ddp: Any) -> None:
+        watched = self._watched() if self._watched is not None else None
+        if watched is not None and watched is not ddp and watched._detached is None:
+            raise ValueError(
+                "this Tracer already records another dplab.DDP (a Tracer keeps one timeline, "
+                "of one DDP): give each DDP its own Tracer"
+            )
+        self._watched = weakref.ref(ddp)
         group = ddp.process_group
         backend = dist.get_backend(group)
         device = ddp.bucket_buffers[0].device

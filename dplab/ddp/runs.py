@@ -137,8 +137,8 @@ def compare_with_torch(
     Returns the first step's largest gradient difference, each side's step times, dplab's
     traced metrics and torch's own logging fields (``_get_ddp_logging_data``, ns → ms) for the
     same iterations. torch logs iterations 1-10 and then every 100th, so keep ``steps`` <= 9.
-    First-bucket caps are equal on both sides: torch only shrinks the first bucket to 1 MiB
-    when ``bucket_cap_mb`` is left at its default.
+    Both are built with the same arguments, so they cut the same buckets: one bucket in the
+    warm-up step, then the rebuild in the order the gradients arrived.
     """
     _check(model, "bucketed", steps, 0, 1)
     tracer = Tracer()
@@ -147,7 +147,6 @@ def compare_with_torch(
     ours = DDP(
         make_model(model, seed=seed).to(dev),
         bucket_cap_mb=bucket_cap_mb,
-        first_bucket_cap_mb=bucket_cap_mb,
         tracer=tracer,
     )
     theirs = nn.parallel.DistributedDataParallel(

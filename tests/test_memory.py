@@ -228,6 +228,59 @@ def test_measured_block_activations_in_fp32_use_4_byte_elements():
     assert saved.nbytes == formula + layernorm_stats_bytes(s, b, 4)
 
 
+def _saved_by_one_block(s, b, attention, dtype, h=64, a=4):
+    """A measured-GPT block without dropout, with the given attention; what autograd saves."""
+    import dataclasses
+
+    from dplab.memory.gpt import MEASURED_GPT
+    from dplab.memory.measure import SavedTensors
+    from dplab.models import Block
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(
+        MEASURED_GPT, d_model=h, n_heads=a, seq_len=s, attention=attention, p_drop=0.0
+    )
+    block = Block(cfg).to(dtype=dtype).train()
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    with SavedTensors(block) as saved:
+        block(x)
+    return saved
+
+
+@pytest.mark.parametrize(("s", "b"), [(32, 2), (64, 1), (16, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_measured_block_without_dropout_equals_the_formula(s, b, dtype, attention):
+    """No dropout, as in dplab's DDP models: the explicit block keeps one a·s²·b tensor (the
+    softmax output); SDPA keeps none, only its fp32 log-sum-exp (a·s·b·4 bytes)."""
+    saved = _saved_by_one_block(s, b, attention, dtype)
+    act = torch.tensor([], dtype=dtype).element_size()
+    formula = gpt_block_activation_bytes(
+        s, b, 64, 4, act_bytes=act, attention=attention, dropout=False
+    )
+    assert saved.nbytes == formula + layernorm_stats_bytes(s, b, act)
+    assert "bool" not in saved.by_dtype  # no dropout, no masks
+
+
+def test_sdpa_drops_the_quadratic_term():
+    s, b, h, a = 2048, 1, 4096, 32
+    explicit = gpt_block_activation_bytes(s, b, h, a, dropout=False)
+    sdpa = gpt_block_activation_bytes(s, b, h, a, attention="sdpa", dropout=False)
+    assert explicit - sdpa == 2 * a * s * s * b - 4 * a * s * b
+    assert sdpa == 32 * s * b * h + 4 * a * s * b
+    # The sdpa block is linear in s; the explicit one is not.
+    assert gpt_block_activation_bytes(2 * s, b, h, a, attention="sdpa", dropout=False) == 2 * sdpa
+
+
+def test_sdpa_with_dropout_and_bad_attention_are_refused():
+    with pytest.raises(ValueError, match="not modelled"):
+        gpt_block_activation_bytes(128, 1, 64, 4, attention="sdpa")
+    with pytest.raises(ValueError, match="attention"):
+        gpt_block_activation_bytes(128, 1, 64, 4, attention="flash")
+    with pytest.raises(ValueError, match="dropout"):
+        gpt_block_activation_bytes(128, 1, 64, 4, dropout=0)
+
+
 def test_accumulation_lowers_activation_memory_and_keeps_the_gradient():
     torch.manual_seed(0)
     model = measured_gpt(p_drop=0.0)

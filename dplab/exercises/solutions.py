@@ -13,14 +13,19 @@ from torch import nn
 
 
 def broadcast_weights(model: nn.Module) -> None:
-    """Make every rank's parameters equal to rank 0's, in place: one broadcast per tensor."""
+    """Make every rank's model state equal to rank 0's, in place: one broadcast per tensor, for
+    the parameters and the buffers (a BatchNorm's running statistics are state too)."""
     with torch.no_grad():
-        for p in model.parameters():
-            dist.broadcast(p, src=0)
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t, src=0)
 
 
 def average_gradients(model: nn.Module) -> None:
-    """Replace every ``p.grad`` by its average over the ranks: all-reduce (sum), divide by N."""
+    """Replace every ``p.grad`` by its average over the ranks: all-reduce (sum), divide by N.
+
+    (``op=dist.ReduceOp.AVG`` is the same on NCCL, and on gloo from torch 2.7, where it is this
+    very sum followed by a division; older gloo refuses it.)
+    """
     n = dist.get_world_size()
     for p in model.parameters():
         if p.grad is not None:

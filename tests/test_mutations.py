@@ -1,0 +1,207 @@
+"""Mutation tests: plant one bug in a copy of dplab and a lesson must fail under nbval.
+
+An assert that stays green when the thing it claims is broken is a defect (issue 15). Each test
+copies the package, applies ONE textual substitution whose anchor must occur exactly once (so a
+moved line fails loudly instead of silently testing nothing), and runs a small notebook made of
+the lesson cells that carry the claim, with ``PYTHONPATH`` pointing at the copy (the kernel and
+every rank it starts import the mutant). The unmutated copy must pass the same notebook first:
+otherwise a "caught" mutant proves nothing.
+
+The derived notebook is cells of ``03_dp_mechanics`` (setup, §3.3 traffic, §3.4 B_global,
+§3.5 accumulation) and of ``08_ddp`` (setup, §2 three ways to all-reduce, §4 the last bucket),
+copied verbatim by cell id; a missing id fails the test. Cost on 2 idle cores: one control and
+five mutants, each a kernel, two rank pools and a few seconds of training; mutants stop at the
+first failing cell (``-x``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import dplab
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+PACKAGE = Path(dplab.__file__).resolve().parent  # the package under test (a copy is mutated)
+
+LESSON_CELLS = {
+    "03_dp_mechanics.ipynb": [
+        "s3-01",  # imports, the 2- and 4-rank pools
+        "s3-18", "s3-19",  # §3.3: exactly the gradient bytes per step
+        "s3-23", "s3-24",  # §3.4: same B_global, same weights (N = 1, 2, 4)
+        "s3-26", "s3-27",  # §3.5: one all-reduce per bucket with no_sync, the big batch's weights
+        "s3-50",  # close the pools
+    ],
+    "08_ddp.ipynb": [
+        "cdff95d1",  # imports, the pool, MODEL, measure, every_step, median
+        "fea0c5bd", "c355d019", "6a803d81",  # §2: naive, per-parameter, bucketed
+        "4ca31f54", "7a523b33",  # §4: the exposed last bucket
+    ],
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One planted bug: in ``path`` (inside dplab/), ``anchor`` becomes ``replacement``."""
+
+    name: str
+    path: str
+    anchor: str
+    replacement: str
+    claim: str  # the lesson claim that must catch it
+    caught_by: str | None  # the id of the lesson cell whose assert fails (None: none yet)
+
+
+MUTATIONS = [
+    Mutation(
+        "launch_after_backward",
+        "ddp/ddp.py",
+        "    launch_when_ready = True\n",
+        "    launch_when_ready = False\n",
+        "08 §2: bucket 0's all-reduce is in flight while backward still computes",
+        "6a803d81",
+    ),
+    Mutation(
+        "no_sync_ignored",
+        "ddp/ddp.py",
+        "        sync = grad_enabled and self.require_backward_grad_sync\n",
+        "        sync = grad_enabled\n",
+        "03 §3.5: one all-reduce per bucket per optimizer step under no_sync",
+        "s3-27",
+    ),
+    Mutation(
+        "sum_not_average",
+        "ddp/ddp.py",
+        "        if n == 1 or self._comm_hook is not None:\n",
+        "        if True or n == 1 or self._comm_hook is not None:\n",
+        "03 §3.4: N = 2 and N = 4 reach the weights of N = 1 (the gradient is an average)",
+        "s3-24",
+    ),
+    Mutation(
+        "blocking_allreduce_in_hook",
+        "ddp/ddp.py",
+        "work: Any = dist.all_reduce(buffer, group=self.process_group, async_op=True)\n",
+        "work: Any = dist.all_reduce(buffer, group=self.process_group, async_op=True)"
+        "; work.wait()\n",
+        "08 §2: a later bucket's gradients are computed while an earlier all-reduce is in flight",
+        None,
+    ),
+    Mutation(
+        "every_allreduce_exposed",
+        "trace/metrics.py",
+        '    exposed = subtract(comm, of("backward"))\n',
+        "    exposed = union(comm)\n",
+        "08 §4: with small communication, every bucket but the last is hidden",
+        None,
+    ),
+]
+
+# Mutants no lesson assert catches yet: the finding, and the assert that would catch it, are in
+# the reason; strict, so the marker must go once a lesson pins the claim.
+UNPINNED = {
+    "blocking_allreduce_in_hook": (
+        "no lesson assert pins overlap by its definition (a later bucket's gradients computed "
+        "while an earlier bucket's all-reduce is in flight); 08 §2 only checks start times and "
+        "medians, which a blocking hook keeps"
+    ),
+    "every_allreduce_exposed": (
+        "no lesson assert pins the exposed-time metric: 08 §2 compares exposed ms between "
+        "variants, which stays true when every all-reduce counts as exposed; needed in 08: "
+        "exposed_comm_ms < t_comm_ms for every bucketed step (bucket 0 starts under backward)"
+    ),
+}
+
+NBVAL_TIMEOUT_S = 300
+
+
+def derived_notebook() -> nbformat.NotebookNode:
+    """The lesson cells that carry the mutated claims, verbatim, in lesson order."""
+    out = nbformat.v4.new_notebook()
+    for name, ids in LESSON_CELLS.items():
+        cells = {c.get("id"): c for c in nbformat.read(NOTEBOOKS / name, as_version=4).cells}
+        missing = [i for i in ids if i not in cells]
+        assert not missing, f"{name} no longer has cells {missing}: update LESSON_CELLS"
+        out.cells.extend(cells[i] for i in ids)
+    out.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3"}}
+    return out
+
+
+def copy_package(dest: Path, mutation: Mutation | None) -> None:
+    shutil.copytree(PACKAGE, dest / "dplab", ignore=shutil.ignore_patterns("__pycache__"))
+    if mutation is None:
+        return
+    target = dest / "dplab" / mutation.path
+    source = target.read_text()
+    found = source.count(mutation.anchor)
+    assert found == 1, (
+        f"mutation {mutation.name}: anchor {mutation.anchor!r} occurs {found} times in "
+        f"dplab/{mutation.path} (expected once): the code moved, re-anchor the mutation"
+    )
+    target.write_text(source.replace(mutation.anchor, mutation.replacement))
+
+
+def run_nbval(tmp_path: Path, mutation: Mutation | None) -> subprocess.CompletedProcess:
+    copy_package(tmp_path, mutation)
+    notebook = tmp_path / "lesson_claims.ipynb"
+    nbformat.write(derived_notebook(), notebook)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax"]
+    if mutation is not None:
+        cmd.append("-x")  # the first failing cell is enough
+    return subprocess.run(
+        [*cmd, notebook.name],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=NBVAL_TIMEOUT_S,
+    )
+
+
+def failing_cells(output: str) -> list[str]:
+    return re.findall(r"FAILED \S*::(Cell \d+)", output)
+
+
+def test_the_unmutated_package_passes_the_lesson_cells(tmp_path):
+    result = run_nbval(tmp_path, None)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        pytest.param(
+            m,
+            marks=pytest.mark.xfail(strict=True, reason=UNPINNED[m.name])
+            if m.name in UNPINNED
+            else (),
+        )
+        for m in MUTATIONS
+    ],
+    ids=lambda m: m.name,
+)
+def test_a_planted_bug_makes_a_lesson_fail(mutation, tmp_path):
+    result = run_nbval(tmp_path, mutation)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, f"{mutation.name} went unnoticed; unpinned: {mutation.claim}"
+    # A failed assert, not a crash: the mutant must break a claim, not the notebook.
+    assert "AssertionError" in output, output[-4000:]
+    ids = [c.get("id") for c in derived_notebook().cells]
+    caught = [ids[int(cell.split()[1])] for cell in failing_cells(output)]
+    assert caught == [mutation.caught_by], (mutation.name, caught, output[-3000:])
+
+
+def test_every_anchor_exists_exactly_once():
+    """Cheap and first: a moved line fails here, by name, before any notebook runs."""
+    for m in MUTATIONS:
+        text = (PACKAGE / m.path).read_text()
+        assert text.count(m.anchor) == 1, (m.name, m.path, text.count(m.anchor))

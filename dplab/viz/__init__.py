@@ -5,6 +5,7 @@ from dplab.viz.buckets import bucket_map_figure
 from dplab.viz.collectives import bandwidth_figure, naive_vs_ring_figure, ring_step_figure
 from dplab.viz.mechanics import activation_memory_figure, loss_curves_figure, traffic_figure
 from dplab.viz.memory import fit_figure, memory_bars, memory_vs_world_size, world_size_curves
+from dplab.viz.regime import regime_figure
 from dplab.viz.sweep import sweep_figure
 from dplab.viz.timeline import timeline_figure
 
@@ -17,6 +18,7 @@ __all__ = [
     "memory_bars",
     "memory_vs_world_size",
     "naive_vs_ring_figure",
+    "regime_figure",
     "ring_step_figure",
     "sweep_figure",
     "timeline_figure",

@@ -101,7 +101,7 @@ MUTATIONS = [
         '    exposed = subtract(comm, of("backward"))\n',
         "    exposed = union(comm)\n",
         "08 §4: with small communication, every bucket but the last is hidden",
-        None,
+        "7a523b33",
     ),
 ]
 
@@ -112,11 +112,6 @@ UNPINNED = {
         "no lesson assert pins overlap by its definition (a later bucket's gradients computed "
         "while an earlier bucket's all-reduce is in flight); 08 §2 only checks start times and "
         "medians, which a blocking hook keeps"
-    ),
-    "every_allreduce_exposed": (
-        "no lesson assert pins the exposed-time metric: 08 §2 compares exposed ms between "
-        "variants, which stays true when every all-reduce counts as exposed; needed in 08: "
-        "exposed_comm_ms < t_comm_ms for every bucketed step (bucket 0 starts under backward)"
     ),
 }
 

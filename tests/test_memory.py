@@ -444,7 +444,11 @@ def test_per_rank_state_is_the_same_at_world_sizes_1_2_4():
     with dplab.Cluster(4, backend="gloo") as c:
         runs = {w: [r for r in c.run(rank_state, group_size=w) if r] for w in (1, 2, 4)}
         views = [r for r in c.run(rank_state, group_size=2, gradient_as_bucket_view=True) if r]
-        ours = [r for r in c.run(rank_state, group_size=2, ddp="dplab") if r]
+        ours = [
+            r
+            for r in c.run(rank_state, group_size=2, ddp="dplab", gradient_as_bucket_view=True)
+            if r
+        ]
         zero1 = {
             w: [r for r in c.run(rank_state, "fp32", zero1=True, group_size=w) if r] for w in (1, 4)
         }

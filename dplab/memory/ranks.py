@@ -109,7 +109,10 @@ def rank_state(
         )
     elif ddp == "dplab":
         wrapped = dplab.DDP(
-            model, bucket_cap_mb=bucket_cap_mb, process_group=group, gradient_as_bucket_view=True
+            model,
+            bucket_cap_mb=bucket_cap_mb,
+            process_group=group,
+            gradient_as_bucket_view=gradient_as_bucket_view,
         )
     else:
         raise ValueError(f"ddp must be 'torch' or 'dplab', got {ddp!r}")

@@ -49,6 +49,100 @@ def _size_ticks(sizes: Sequence[int]) -> dict[str, Any]:
     return {"tickvals": list(sizes), "ticktext": [format_size(s) for s in sizes]}
 
 
+def _series_by_algorithm(rows: Sequence[BandwidthRow]) -> list[tuple[str, int, list[BandwidthRow]]]:
+    """The rows cut into one series per (algorithm, world size), each sorted by message size.
+
+    Each series is one line on both panels: busbw's factor 2(N-1)/N depends on N, so
+    points of different N or algorithm on one line would mix two different curves.
+    """
+    groups: dict[tuple[str, int], list[BandwidthRow]] = {}
+    for r in rows:
+        groups.setdefault((r.algorithm, r.world_size), []).append(r)
+    return [
+        (algorithm, n, sorted(group, key=lambda r: r.size_bytes))
+        for (algorithm, n), group in sorted(groups.items())
+    ]
+
+
+def _add_measured_series(
+    fig: go.Figure, series: list[BandwidthRow], name: str, color: str, dash: str
+) -> None:
+    """The measured rows twice: time on the left, busbw on the right, one legend entry."""
+    sizes = [r.size_bytes for r in series]
+    hover = [
+        f"{format_size(r.size_bytes)}: {r.time_s * 1e6:,.1f} µs, algbw {r.algbw_GBps:.3f}, "
+        f"busbw {r.busbw_GBps:.3f} GB/s"
+        for r in series
+    ]
+    for col, y in ((1, [r.time_s for r in series]), (2, [r.busbw_GBps for r in series])):
+        fig.add_trace(
+            go.Scatter(
+                x=sizes,
+                y=y,
+                mode="markers+lines",
+                name=name,
+                legendgroup=name,
+                showlegend=col == 1,
+                line={"color": color, "dash": dash, "width": 1},
+                marker={"size": 7},
+                hovertext=hover,
+                hoverinfo="text",
+            ),
+            row=1,
+            col=col,
+        )
+
+
+def _add_alpha_beta_fit(
+    fig: go.Figure, fit: AlphaBetaFit, sizes: list[int], name: str, color: str
+) -> None:
+    """The fitted α-β line over the measured times, and its 1/β as the level busbw tends to.
+
+    Drawn over the same sizes as the measurement, so the eye compares model and points where
+    both exist; the bandwidth line is the asymptote, since α stops mattering at large sizes.
+    """
+    fig.add_trace(
+        go.Scatter(
+            x=sizes,
+            y=[fit.predict(s) for s in sizes],
+            mode="lines",
+            name=f"α-β fit: α={fit.alpha_s * 1e6:.0f} µs, 1/β={fit.bandwidth_GBps:.2f} GB/s",
+            legendgroup=name,
+            line={"color": color, "dash": "dash", "width": 2},
+            opacity=0.6,
+            hoverinfo="skip",
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=[sizes[0], sizes[-1]],
+            y=[fit.bandwidth_GBps] * 2,
+            mode="lines",
+            showlegend=False,
+            legendgroup=name,
+            line={"color": color, "dash": "dash", "width": 1},
+            opacity=0.6,
+            hoverinfo="skip",
+        ),
+        row=1,
+        col=2,
+    )
+
+
+def _bandwidth_axes(fig: go.Figure, rows: Sequence[BandwidthRow], title: str) -> go.Figure:
+    """Log size axes labelled in bytes (about six ticks), log time, busbw from zero."""
+    all_sizes = sorted({r.size_bytes for r in rows})
+    ticks = _size_ticks(all_sizes[:: max(1, len(all_sizes) // 6)])
+    for col in (1, 2):
+        fig.update_xaxes(type="log", title_text="message size", row=1, col=col, **ticks)
+    fig.update_yaxes(type="log", title_text="seconds", row=1, col=1)
+    fig.update_yaxes(title_text="GB/s (1e9 B/s)", rangemode="tozero", row=1, col=2)
+    layout(fig, title=title, height=480)
+    return fig.update_layout(margin={"t": 90, "b": 60}, legend={"y": -0.3})
+
+
 def bandwidth_figure(
     rows: Sequence[BandwidthRow | Mapping[str, Any]],
     fits: Mapping[tuple[str, int], AlphaBetaFit] | None = None,
@@ -66,78 +160,14 @@ def bandwidth_figure(
         subplot_titles=("time per all-reduce", "bus bandwidth (nccl-tests' busbw)"),
         horizontal_spacing=0.12,
     )
-    groups: dict[tuple[str, int], list[BandwidthRow]] = {}
-    for r in rows:
-        groups.setdefault((r.algorithm, r.world_size), []).append(r)
-    for (algorithm, n), group in sorted(groups.items()):
-        group.sort(key=lambda r: r.size_bytes)
-        sizes = [r.size_bytes for r in group]
+    for algorithm, n, series in _series_by_algorithm(rows):
         color = ALGORITHM_COLORS.get(algorithm, COLORS["predicted"])
-        dash = "solid" if n == 2 else "dot"
         name = f"{ALGORITHM_NAMES.get(algorithm, algorithm)}, N={n}"
-        hover = [
-            f"{format_size(r.size_bytes)}: {r.time_s * 1e6:,.1f} µs, algbw {r.algbw_GBps:.3f}, "
-            f"busbw {r.busbw_GBps:.3f} GB/s"
-            for r in group
-        ]
-        # The same rows twice: time on the left, bus bandwidth on the right.
-        for col, y in ((1, [r.time_s for r in group]), (2, [r.busbw_GBps for r in group])):
-            fig.add_trace(
-                go.Scatter(
-                    x=sizes,
-                    y=y,
-                    mode="markers+lines",
-                    name=name,
-                    legendgroup=name,
-                    showlegend=col == 1,
-                    line={"color": color, "dash": dash, "width": 1},
-                    marker={"size": 7},
-                    hovertext=hover,
-                    hoverinfo="text",
-                ),
-                row=1,
-                col=col,
-            )
+        _add_measured_series(fig, series, name, color, "solid" if n == 2 else "dot")
         fit = (fits or {}).get((algorithm, n))
         if fit is not None:
-            fig.add_trace(
-                go.Scatter(
-                    x=sizes,
-                    y=[fit.predict(s) for s in sizes],
-                    mode="lines",
-                    name=(
-                        f"α-β fit: α={fit.alpha_s * 1e6:.0f} µs, 1/β={fit.bandwidth_GBps:.2f} GB/s"
-                    ),
-                    legendgroup=name,
-                    line={"color": color, "dash": "dash", "width": 2},
-                    opacity=0.6,
-                    hoverinfo="skip",
-                ),
-                row=1,
-                col=1,
-            )
-            fig.add_trace(
-                go.Scatter(
-                    x=[sizes[0], sizes[-1]],
-                    y=[fit.bandwidth_GBps] * 2,
-                    mode="lines",
-                    showlegend=False,
-                    legendgroup=name,
-                    line={"color": color, "dash": "dash", "width": 1},
-                    opacity=0.6,
-                    hoverinfo="skip",
-                ),
-                row=1,
-                col=2,
-            )
-    all_sizes = sorted({r.size_bytes for r in rows})
-    ticks = _size_ticks(all_sizes[:: max(1, len(all_sizes) // 6)])
-    for col in (1, 2):
-        fig.update_xaxes(type="log", title_text="message size", row=1, col=col, **ticks)
-    fig.update_yaxes(type="log", title_text="seconds", row=1, col=1)
-    fig.update_yaxes(title_text="GB/s (1e9 B/s)", rangemode="tozero", row=1, col=2)
-    layout(fig, title=title, height=480)
-    return fig.update_layout(margin={"t": 90, "b": 60}, legend={"y": -0.3})
+            _add_alpha_beta_fit(fig, fit, [r.size_bytes for r in series], name, color)
+    return _bandwidth_axes(fig, rows, title)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +355,79 @@ def ring_step_figure(
 # Naive against ring
 
 
+NAIVE_LABEL = "naive (gather + broadcast)"
+RING_LABEL = "ring (reduce-scatter + all-gather)"
+
+
+def _add_bytes_per_rank(fig: go.Figure, s: float, n: int) -> None:
+    """Bars of bytes each rank sends: the naive root carries N-1 tensors, a ring rank 2(N-1)/N.
+
+    Per rank rather than in total, because the busiest link sets the time: both send
+    2(N-1)·S in all, but the naive scheme puts half of it on the root's one link.
+    """
+    ranks = [f"rank {r}" for r in range(n)]
+    for name, values, color in (
+        (NAIVE_LABEL, naive_bytes_per_rank(s, n), ALGORITHM_COLORS["naive"]),
+        (RING_LABEL, [ring_bytes_per_rank(s, n)] * n, ALGORITHM_COLORS["ring"]),
+    ):
+        fig.add_trace(
+            go.Bar(
+                x=ranks,
+                y=values,
+                name=name,
+                legendgroup=name,
+                marker_color=color,
+                hovertemplate="%{x}: %{y:.3s} B<extra>" + name + "</extra>",
+            ),
+            row=1,
+            col=1,
+        )
+
+
+def _add_alpha_beta_times(
+    fig: go.Figure, s: float, n: int, top: int, *, alpha: float, beta: float
+) -> None:
+    """α-β time of both algorithms for N = 2..top, this N enlarged, and the ring's limit.
+
+    The limit 2·S·β is where the ring's bandwidth term tends as N grows, while the naive
+    scheme's bandwidth term 2(N-1)·S·β grows without bound: the line makes that visible.
+    """
+    ns = list(range(2, top + 1))
+    for name, fn, color in (
+        (NAIVE_LABEL, naive_time, ALGORITHM_COLORS["naive"]),
+        (RING_LABEL, ring_time, ALGORITHM_COLORS["ring"]),
+    ):
+        fig.add_trace(
+            go.Scatter(
+                x=ns,
+                y=[fn(s, k, alpha, beta) * 1e3 for k in ns],
+                mode="lines+markers",
+                name=name,
+                legendgroup=name,
+                showlegend=False,
+                line={"color": color},
+                marker={"size": [10 if k == n else 4 for k in ns]},
+                hovertemplate="N=%{x}: %{y:.3g} ms<extra>" + name + "</extra>",
+            ),
+            row=1,
+            col=2,
+        )
+    fig.add_hline(
+        y=s * beta * 2 * 1e3,
+        line={"dash": "dot", "color": "#999999"},
+        annotation_text="ring's limit 2·S·β",
+        row=1,
+        col=2,
+    )
+
+
+def _naive_vs_ring_title(alpha: float, beta: float) -> str:
+    """The α-β parameters in the title; 1/β only when finite (β = 0 models latency only)."""
+    if beta > 0:
+        return f"Naive against ring: α={alpha * 1e6:.3g} µs, 1/β={1 / beta / 1e9:.3g} GB/s"
+    return f"Naive against ring: α={alpha * 1e6:.3g} µs"
+
+
 def naive_vs_ring_figure(
     size_bytes: float,
     world_size: int,
@@ -347,63 +450,12 @@ def naive_vs_ring_figure(
         ),
         horizontal_spacing=0.14,
     )
-    ranks = [f"rank {r}" for r in range(n)]
-    naive = naive_bytes_per_rank(s, n)
-    ring = [ring_bytes_per_rank(s, n)] * n
-    for name, values, color in (
-        ("naive (gather + broadcast)", naive, ALGORITHM_COLORS["naive"]),
-        ("ring (reduce-scatter + all-gather)", ring, ALGORITHM_COLORS["ring"]),
-    ):
-        fig.add_trace(
-            go.Bar(
-                x=ranks,
-                y=values,
-                name=name,
-                legendgroup=name,
-                marker_color=color,
-                hovertemplate="%{x}: %{y:.3s} B<extra>" + name + "</extra>",
-            ),
-            row=1,
-            col=1,
-        )
-    ns = list(range(2, top + 1))
-    for name, fn, color in (
-        ("naive (gather + broadcast)", naive_time, ALGORITHM_COLORS["naive"]),
-        ("ring (reduce-scatter + all-gather)", ring_time, ALGORITHM_COLORS["ring"]),
-    ):
-        times = [fn(s, k, alpha, beta) * 1e3 for k in ns]
-        fig.add_trace(
-            go.Scatter(
-                x=ns,
-                y=times,
-                mode="lines+markers",
-                name=name,
-                legendgroup=name,
-                showlegend=False,
-                line={"color": color},
-                marker={"size": [10 if k == n else 4 for k in ns]},
-                hovertemplate="N=%{x}: %{y:.3g} ms<extra>" + name + "</extra>",
-            ),
-            row=1,
-            col=2,
-        )
-    fig.add_hline(
-        y=s * beta * 2 * 1e3,
-        line={"dash": "dot", "color": "#999999"},
-        annotation_text="ring's limit 2·S·β",
-        row=1,
-        col=2,
-    )
+    _add_bytes_per_rank(fig, s, n)
+    _add_alpha_beta_times(fig, s, n, top, alpha=alpha, beta=beta)
     fig.update_yaxes(title_text="bytes sent", row=1, col=1)
     fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=2)
     fig.update_xaxes(title_text="world size N", row=1, col=2)
     fig.update_layout(barmode="group")
-    return layout(
-        fig,
-        title=(
-            f"Naive against ring: α={alpha * 1e6:.3g} µs, 1/β={1 / beta / 1e9:.3g} GB/s"
-            if beta > 0
-            else f"Naive against ring: α={alpha * 1e6:.3g} µs"
-        ),
-        height=420,
-    ).update_layout(margin={"t": 90})
+    return layout(fig, title=_naive_vs_ring_title(alpha, beta), height=420).update_layout(
+        margin={"t": 90}
+    )

@@ -21,13 +21,14 @@ so that their lengths compare at a glance.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dplab._units import MIB
-from dplab.trace import StepTrace
+from dplab.trace import Span, StepTrace
 from dplab.trace.metrics import subtract
 from dplab.viz.style import COLORS, layout
 
@@ -291,6 +292,132 @@ def _add_predicted(
     legend_seen.add("predicted")
 
 
+@dataclass
+class _PanelMarks:
+    """Everything one panel draws, gathered rank by rank before any plotly trace is made.
+
+    Gathering first lets each kind become a single trace per panel (one legend entry, one
+    hover style) however many ranks and buckets the panel holds.
+    """
+
+    bars: dict[str, _Bars] = field(
+        default_factory=lambda: {k: _Bars() for k in (*COMPUTE_KINDS, "allreduce", "exposed")}
+    )
+    ready_x: list[float] = field(default_factory=list)
+    ready_y: list[float] = field(default_factory=list)
+    ready_hover: list[str] = field(default_factory=list)
+    predicted: list[tuple[float, float, float, str]] = field(default_factory=list)
+    tickvals: list[float] = field(default_factory=list)
+    ticktext: list[str] = field(default_factory=list)
+
+
+def _add_compute_lane(marks: _PanelMarks, trace: StepTrace, offset: float, y: float) -> None:
+    """The rank's compute lane: forward, backward, wait and optimizer spans at height ``y``."""
+    marks.tickvals.append(y)
+    marks.ticktext.append(f"rank {trace.rank} compute")
+    for span in trace.spans:
+        if span.kind in COMPUTE_KINDS:
+            marks.bars[span.kind].add(
+                offset + span.start_ms,
+                offset + span.end_ms,
+                y,
+                span.name,
+                f"rank {trace.rank} · {span.name}<br>{span.start_ms:,.2f} → "
+                f"{span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms)",
+            )
+
+
+def _allreduce_hover(trace: StepTrace, span: Span, exposed_ms: float, params: Sequence[str]) -> str:
+    """What one bucket's all-reduce moved and when: bytes, times, exposed part, parameters."""
+    return (
+        f"rank {trace.rank} · all-reduce of bucket {span.bucket}<br>"
+        f"{_bytes_text(span.nbytes)}<br>"
+        f"{span.start_ms:,.2f} → {span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms), "
+        f"exposed {exposed_ms:,.2f} ms<br>"
+        f"parameters ({len(params)}):<br>  {_params_text(params)}"
+    )
+
+
+def _add_comm_lanes(
+    marks: _PanelMarks,
+    trace: StepTrace,
+    offset: float,
+    y: float,
+    names: Mapping[int | None, list[str]],
+) -> int:
+    """The rank's comm lane below ``y``: each all-reduce whole, and its exposed part on top.
+
+    The exposed part is the all-reduce minus the backward spans: the time no gradient was
+    being computed, so the step paid for it. Returns how many sub-rows the lane needed.
+    """
+    rows = comm_rows(trace)
+    n_rows = max(rows, default=0) + 1
+    for k in range(n_rows):
+        marks.tickvals.append(y + 1 + k)
+        marks.ticktext.append(f"rank {trace.rank} comm" + (f" ·{k + 1}" if n_rows > 1 else ""))
+    backward = [(s.start_ms, s.end_ms) for s in trace.of("backward")]
+    for span, row in zip(trace.of("allreduce"), rows, strict=True):
+        row_y = y + 1 + row
+        exposed = subtract([(span.start_ms, span.end_ms)], backward)
+        hover = _allreduce_hover(
+            trace, span, sum(b - a for a, b in exposed), names.get(span.bucket, [])
+        )
+        label = f"b{span.bucket}" if span.bucket is not None else span.name
+        marks.bars["allreduce"].add(
+            offset + span.start_ms, offset + span.end_ms, row_y, label, hover
+        )
+        for a, b in exposed:
+            marks.bars["exposed"].add(
+                offset + a,
+                offset + b,
+                row_y,
+                label,
+                f"exposed: {b - a:,.2f} ms with no backward running<br>{hover}",
+            )
+    return n_rows
+
+
+def _add_bucket_ready(
+    marks: _PanelMarks,
+    trace: StepTrace,
+    offset: float,
+    y: float,
+    names: Mapping[int | None, list[str]],
+) -> None:
+    """A marker between the lanes where each bucket's last gradient arrived."""
+    for span in trace.of("bucket_ready"):
+        marks.ready_x.append(offset + span.start_ms)
+        marks.ready_y.append(y + 0.5)
+        n_params = len(names.get(span.bucket, []))
+        marks.ready_hover.append(
+            f"rank {trace.rank} · bucket {span.bucket} ready at {span.start_ms:,.2f} ms<br>"
+            f"its last gradient is in ({n_params} parameters, {_bytes_text(span.nbytes)})"
+        )
+
+
+def _add_perfect_overlap(
+    marks: _PanelMarks, trace: StepTrace, offset: float, y: float, n_rows: int
+) -> None:
+    """Where the step would end with perfect overlap, max(T_compute, T_comm) after its start.
+
+    The line spans the rank's compute and comm lanes, so the gap to the real step end reads
+    directly as time lost to exposed communication.
+    """
+    m = trace.metrics
+    start = min((s.start_ms for s in trace.spans), default=0.0)
+    marks.predicted.append(
+        (
+            offset + start + m.predicted_step_ms,
+            y - BAR_WIDTH / 2,
+            y + n_rows + BAR_WIDTH / 2,
+            f"rank {trace.rank} · perfect overlap: max(T_compute, T_comm) = "
+            f"{m.predicted_step_ms:,.1f} ms<br>T_compute {m.t_compute_ms:,.1f} ms "
+            f"(forward + backward + optimizer), T_comm {m.t_comm_ms:,.1f} ms<br>"
+            f"this step took {m.t_step_ms:,.1f} ms; exposed comm {m.exposed_comm_ms:,.1f} ms",
+        )
+    )
+
+
 def _draw_panel(
     fig: go.Figure,
     panel: Sequence[StepTrace],
@@ -300,89 +427,30 @@ def _draw_panel(
     legend_seen: set[str],
     show_predicted: bool,
 ) -> tuple[list[float], list[str]]:
-    """Add one panel's traces to ``fig``; return its y tick positions and labels."""
-    bars = {kind: _Bars() for kind in (*COMPUTE_KINDS, "allreduce", "exposed")}
-    ready_x: list[float] = []
-    ready_y: list[float] = []
-    ready_hover: list[str] = []
-    predicted: list[tuple[float, float, float, str]] = []
-    tickvals: list[float] = []
-    ticktext: list[str] = []
+    """Add one panel's traces to ``fig``; return its y tick positions and labels.
+
+    Ranks are laid out top to bottom, each a compute lane and its comm sub-rows; with
+    ``align="rank0"`` every rank is shifted onto rank 0's clock so a late rank shows.
+    """
+    marks = _PanelMarks()
     reference = panel[0].origin_ms
     y = 0.0
     for trace in panel:
         offset = trace.origin_ms - reference if align == "rank0" else 0.0
-        names = {b.index: list(b.param_names) for b in trace.buckets}
-        m = trace.metrics
-        compute_y = y
-        tickvals.append(compute_y)
-        ticktext.append(f"rank {trace.rank} compute")
-        for span in trace.spans:
-            if span.kind in COMPUTE_KINDS:
-                bars[span.kind].add(
-                    offset + span.start_ms,
-                    offset + span.end_ms,
-                    compute_y,
-                    span.name,
-                    f"rank {trace.rank} · {span.name}<br>{span.start_ms:,.2f} → "
-                    f"{span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms)",
-                )
-        comms = trace.of("allreduce")
-        rows = comm_rows(trace)
-        n_rows = max(rows, default=0) + 1
-        for k in range(n_rows):
-            tickvals.append(compute_y + 1 + k)
-            ticktext.append(f"rank {trace.rank} comm" + (f" ·{k + 1}" if n_rows > 1 else ""))
-        backward = [(s.start_ms, s.end_ms) for s in trace.of("backward")]
-        for span, row in zip(comms, rows, strict=True):
-            row_y = compute_y + 1 + row
-            exposed = subtract([(span.start_ms, span.end_ms)], backward)
-            exposed_ms = sum(b - a for a, b in exposed)
-            label = f"b{span.bucket}" if span.bucket is not None else span.name
-            hover = (
-                f"rank {trace.rank} · all-reduce of bucket {span.bucket}<br>"
-                f"{_bytes_text(span.nbytes)}<br>"
-                f"{span.start_ms:,.2f} → {span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms), "
-                f"exposed {exposed_ms:,.2f} ms<br>"
-                f"parameters ({len(names.get(span.bucket, []))}):<br>  "
-                f"{_params_text(names.get(span.bucket, []))}"
-            )
-            bars["allreduce"].add(offset + span.start_ms, offset + span.end_ms, row_y, label, hover)
-            for a, b in exposed:
-                bars["exposed"].add(
-                    offset + a,
-                    offset + b,
-                    row_y,
-                    label,
-                    f"exposed: {b - a:,.2f} ms with no backward running<br>{hover}",
-                )
-        for span in trace.of("bucket_ready"):
-            ready_x.append(offset + span.start_ms)
-            ready_y.append(compute_y + 0.5)
-            n_params = len(names.get(span.bucket, []))
-            ready_hover.append(
-                f"rank {trace.rank} · bucket {span.bucket} ready at {span.start_ms:,.2f} ms<br>"
-                f"its last gradient is in ({n_params} parameters, {_bytes_text(span.nbytes)})"
-            )
-        start = min((s.start_ms for s in trace.spans), default=0.0)
-        predicted.append(
-            (
-                offset + start + m.predicted_step_ms,
-                compute_y - BAR_WIDTH / 2,
-                compute_y + n_rows + BAR_WIDTH / 2,
-                f"rank {trace.rank} · perfect overlap: max(T_compute, T_comm) = "
-                f"{m.predicted_step_ms:,.1f} ms<br>T_compute {m.t_compute_ms:,.1f} ms "
-                f"(forward + backward + optimizer), T_comm {m.t_comm_ms:,.1f} ms<br>"
-                f"this step took {m.t_step_ms:,.1f} ms; exposed comm {m.exposed_comm_ms:,.1f} ms",
-            )
-        )
-        y = compute_y + n_rows + 1.6  # a gap between ranks
+        names: dict[int | None, list[str]] = {b.index: list(b.param_names) for b in trace.buckets}
+        _add_compute_lane(marks, trace, offset, y)
+        n_rows = _add_comm_lanes(marks, trace, offset, y, names)
+        _add_bucket_ready(marks, trace, offset, y, names)
+        _add_perfect_overlap(marks, trace, offset, y, n_rows)
+        # A gap between ranks. Not `y += n_rows + 1.6`: that rounds differently and would move
+        # the tick positions of existing figures by one ulp.
+        y = y + n_rows + 1.6
 
-    _add_bars(fig, bars, where, legend_seen)
-    _add_ready_marks(fig, (ready_x, ready_y, ready_hover), where, legend_seen)
+    _add_bars(fig, marks.bars, where, legend_seen)
+    _add_ready_marks(fig, (marks.ready_x, marks.ready_y, marks.ready_hover), where, legend_seen)
     if show_predicted:
-        _add_predicted(fig, predicted, where, legend_seen)
-    return tickvals, ticktext
+        _add_predicted(fig, marks.predicted, where, legend_seen)
+    return marks.tickvals, marks.ticktext
 
 
 def _lanes(panel: Sequence[StepTrace]) -> float:

@@ -8,10 +8,10 @@ every rank it starts import the mutant). The unmutated copy must pass the same n
 otherwise a "caught" mutant proves nothing.
 
 The derived notebook is cells of ``03_dp_mechanics`` (setup, §3.3 traffic, §3.4 B_global,
-§3.5 accumulation) and of ``08_ddp`` (setup, §2 three ways to all-reduce, §4 the last bucket),
-copied verbatim by cell id; a missing id fails the test. Cost on 2 idle cores: one control and
-five mutants, each a kernel, two rank pools and a few seconds of training; mutants stop at the
-first failing cell (``-x``).
+§3.5 accumulation) and of ``08_ddp`` (setup, §2 three ways to all-reduce and overlap by its
+definition, §4 the last bucket), copied verbatim by cell id; a missing id fails the test. Cost
+on 2 idle cores: one control and five mutants, each a kernel, two rank pools and a few seconds of
+training; mutants stop at the first failing cell (``-x``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ LESSON_CELLS = {
     "08_ddp.ipynb": [
         "cdff95d1",  # imports, the pool, MODEL, measure, every_step, median
         "fea0c5bd", "c355d019", "6a803d81",  # §2: naive, per-parameter, bucketed
+        "5b9e2f47", "c8f06a1d",  # §2: overlap by its definition, on a comms-bound model
         "4ca31f54", "7a523b33",  # §4: the exposed last bucket
     ],
 }  # fmt: skip
@@ -93,7 +94,7 @@ MUTATIONS = [
         "work: Any = dist.all_reduce(buffer, group=self.process_group, async_op=True)"
         "; work.wait()\n",
         "08 §2: a later bucket's gradients are computed while an earlier all-reduce is in flight",
-        None,
+        "c8f06a1d",
     ),
     Mutation(
         "every_allreduce_exposed",
@@ -107,13 +108,7 @@ MUTATIONS = [
 
 # Mutants no lesson assert catches yet: the finding, and the assert that would catch it, are in
 # the reason; strict, so the marker must go once a lesson pins the claim.
-UNPINNED = {
-    "blocking_allreduce_in_hook": (
-        "no lesson assert pins overlap by its definition (a later bucket's gradients computed "
-        "while an earlier bucket's all-reduce is in flight); 08 §2 only checks start times and "
-        "medians, which a blocking hook keeps"
-    ),
-}
+UNPINNED: dict[str, str] = {}
 
 NBVAL_TIMEOUT_S = 300
 

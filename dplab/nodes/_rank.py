@@ -43,8 +43,14 @@ def _run_call(rundir: Path, rank: int, timeout_s: float) -> int:
         sys.stderr.flush()
         # The other ranks may wait in a collective this one never joins: the caller stops them.
         os._exit(1)
-    dist.destroy_process_group()
-    return 0
+    # Every rank has written its result: meet once more, then leave without the interpreter's
+    # teardown. Destroying gloo's process group while the ranks' threads wind down aborted a rank
+    # now and then under load ("terminate called without an active exception", SIGABRT, seen in
+    # CI after every result was written), which failed a run that had succeeded.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:

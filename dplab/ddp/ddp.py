@@ -347,6 +347,11 @@ class DDP(nn.Module):
             for i, (_, p) in enumerate(self._params)
         ]
 
+    @property
+    def detached(self) -> bool:
+        """Whether a newer wrapper of the same module took over (this one's hooks are gone)."""
+        return self._detached is not None
+
     def _detach(self, why: str) -> None:
         """Remove this wrapper's hooks; using it afterwards is an error that says ``why``."""
         for handle in self._handles:

@@ -121,7 +121,7 @@ class Tracer:
 
     def attach(self, ddp: Any) -> None:
         watched = self._watched() if self._watched is not None else None
-        if watched is not None and watched is not ddp and watched._detached is None:
+        if watched is not None and watched is not ddp and not watched.detached:
             raise ValueError(
                 "this Tracer already records another dplab.DDP (a Tracer keeps one timeline, "
                 "of one DDP): give each DDP its own Tracer"

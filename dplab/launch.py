@@ -862,6 +862,7 @@ def _join_launcher_group(backend: str, timeout_s: float) -> None:
     if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         # torchrun's agent hosts the store: every rank is a client, nothing listens here.
         dist.init_process_group(backend, timeout=timeout)
+        atexit.register(_leave_launcher_group)
         return
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
@@ -891,6 +892,20 @@ def _join_launcher_group(backend: str, timeout_s: float) -> None:
             f"MASTER_ADDR={addr}:{port} within timeout_s={timeout_s:g}: {str(e).splitlines()[0]}"
             ". Are the other ranks running?"
         ) from None
+    atexit.register(_leave_launcher_group)
+
+
+def _leave_launcher_group() -> None:
+    """Destroy the group dplab created, at exit, before the interpreter tears down.
+
+    Left to the interpreter's own teardown, gloo's process group was destroyed while its threads
+    wound down and a rank aborted now and then ("terminate called without an active exception",
+    SIGABRT) after its work was done, failing a torchrun job that had succeeded.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _run_in_place(

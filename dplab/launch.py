@@ -896,11 +896,10 @@ def _join_launcher_group(backend: str, timeout_s: float) -> None:
 
 
 def _leave_launcher_group() -> None:
-    """Destroy the group dplab created, at exit, before the interpreter tears down.
+    """Destroy the group dplab created, at exit, as torch asks of every program that made one.
 
-    Left to the interpreter's own teardown, gloo's process group was destroyed while its threads
-    wound down and a rank aborted now and then ("terminate called without an active exception",
-    SIGABRT) after its work was done, failing a torchrun job that had succeeded.
+    torch warns when a group is left to the interpreter's teardown (NCCL's most loudly), and a
+    group destroyed here is one the next ``init_process_group`` in the same process can replace.
     """
     import torch.distributed as dist
 
@@ -938,4 +937,9 @@ def _run_in_place(
     result = fn(*args, **kwargs)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
+    # gloo's worker thread lets go of the gathered tensors only after wait() has returned, and
+    # that needs the GIL; a rank that went straight on to exit could reach the interpreter's
+    # finalization first, and the thread then aborted the process ("terminate called without an
+    # active exception"). Waiting in a barrier hands the GIL over until every rank is here.
+    dist.barrier()
     return gathered

@@ -125,12 +125,33 @@ def test_idle_worker_starts_after_its_wait_for_a_cpu():
     ]
     comm = Collective(1.0, 4.0, thread=B, end_sched=_s(9, 4.5, 11), first_poll=0)
     assert worker_spans([comm], polls, lanes=2) == [(pytest.approx(1.8), 4.0)]
-    # seen only at the end, after several runs: its waits include later ones, so the start is
-    # no later than launch + all waits and no earlier than the last reading without a run
+    # seen only at the end, after several runs: its waits include later ones, so the start
+    # lies between the last reading without a run (1.3) and launch + all waits (2.5): halfway
     late = Collective(1.0, 4.0, thread=B, end_sched=_s(9, 4.5, 11), first_poll=0)
-    assert worker_spans([late], polls[:2], lanes=2) == [(pytest.approx(2.5), 4.0)]
+    assert worker_spans([late], polls[:2], lanes=2) == [(pytest.approx(1.9), 4.0)]
     quiet = Collective(1.0, 4.0, thread=B, end_sched=_s(9, 3.1, 11), first_poll=0)
     assert worker_spans([quiet], polls[:2], lanes=2) == [(pytest.approx(1.3), 4.0)]
+
+
+def test_a_wait_for_a_cpu_is_kept_between_the_readings():
+    # B was runnable before the launch: by 1.2 it had run once, its wait up by 2 ms (mostly
+    # before the launch), so it began no later than that reading
+    polls = [Poll(1.0, {B: _s(0, 3.0, 7)}), Poll(1.2, {B: _s(0, 5.0, 8)})]
+    early = Collective(1.0, 4.0, thread=B, first_poll=0)
+    assert worker_spans([early], polls, lanes=2) == [(pytest.approx(1.2), 4.0)]
+    # B was woken by something else, later: no run yet at 2.0, one run without a wait by 2.4
+    polls = [Poll(1.0, {B: _s(0, 3.0, 7)}), Poll(2.0, {B: _s(0, 3.0, 7)})]
+    polls.append(Poll(2.4, {B: _s(0, 3.0, 8)}))
+    woken_later = Collective(1.0, 4.0, thread=B, first_poll=0)
+    assert worker_spans([woken_later], polls, lanes=2) == [(pytest.approx(2.0), 4.0)]
+
+
+def test_completion_readings_join_the_launching_threads_in_time_order():
+    ours = [Poll(0.0, {}), Poll(2.0, {}), Poll(5.0, {})]
+    theirs = [Poll(1.0, {A: None}), Poll(2.0, {A: None}), Poll(7.0, {A: None})]
+    merged, where = clocks.merge_polls(ours, theirs)
+    assert [p.t_ms for p in merged] == [0.0, 1.0, 2.0, 2.0, 5.0, 7.0]
+    assert [merged[i] for i in where] == ours
 
 
 def test_collective_done_before_its_callback_was_attached():
@@ -144,7 +165,8 @@ def test_collective_done_before_its_callback_was_attached():
         Collective(0.0, 3.0, thread=A, end_sched=_s(1, 0, 6), first_poll=0),
         Collective(1.0, 1.99, first_poll=1, attach_poll=2, inline=True),
     ]
-    assert worker_spans(comms, polls, lanes=2) == [(0.0, 3.0), (pytest.approx(1.5), 1.99)]
+    # (A itself had not run by 1.0, so its own collective began there)
+    assert worker_spans(comms, polls, lanes=2) == [(1.0, 3.0), (pytest.approx(1.5), 1.99)]
 
 
 def test_unknown_worker_falls_back_to_the_queue_rule():
@@ -165,6 +187,7 @@ def _gloo_workers_seen() -> dict:
 def test_gloo_workers_are_found_and_a_future_reports_its_thread():
     for r in dplab.launch(_gloo_workers_seen, 2):
         assert r["tids"] is not None and len(r["tids"]) == 2  # gloo's default pool of threads
-        end, tid, sched, attacher = r["box"]
+        end, tid, sched, attacher, (read_at, every) = r["box"]
         assert end is not None and isinstance(sched, Sched)
         assert tid in r["tids"] or tid == attacher  # a worker, or done before the attach
+        assert read_at <= end and sorted(every) == sorted(r["tids"])  # all, read before the end

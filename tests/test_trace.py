@@ -217,6 +217,72 @@ def test_a_planted_delay_in_the_comm_path_shows_up_as_exposed_time(cluster2):
     assert 70 < slow - base < 150  # 100 ms planted on the last bucket, all of it exposed
 
 
+def _collections_between_launch_and_attach() -> dict:
+    import gc
+
+    tracer = dplab.Tracer()
+    ddp = dplab.DDP(make_model("tiny-gpt"), bucket_cap_mb=0.25, tracer=tracer)
+    state = {"inside": False, "collections": 0}
+    real = dist.all_reduce
+
+    def launch_then_make_garbage(tensor, *a, **k):
+        work = real(tensor, *a, **k)
+        state["inside"] = True
+        for _ in range(5000):  # enough cycles for several automatic collections
+            cycle: list = []
+            cycle.append(cycle)
+        return work
+
+    def seen(phase, info):
+        if phase == "start" and state["inside"]:
+            state["collections"] += 1
+
+    original = tracer.allreduce_launched
+
+    def launched(*a, **k):
+        state["inside"] = False
+        original(*a, **k)
+
+    tracer.allreduce_launched = launched
+    gc.callbacks.append(seen)
+    dist.all_reduce = launch_then_make_garbage
+    try:
+        x, y = make_batch("tiny-gpt", 4, seed=0)
+        ddp(x, y).backward()
+    finally:
+        dist.all_reduce = real
+        gc.callbacks.remove(seen)
+    return {"collections": state["collections"], "gc_enabled": gc.isenabled()}
+
+
+def test_no_garbage_collection_falls_between_a_launch_and_its_callback():
+    (r,) = dplab.launch(_collections_between_launch_and_attach, 1)
+    assert r == {"collections": 0, "gc_enabled": True}
+
+
+def _comm_hook_raises_under_a_tracer() -> dict:
+    import gc
+
+    ddp = dplab.DDP(make_model("tiny-gpt"), bucket_cap_mb=0.25, tracer=dplab.Tracer())
+
+    def broken(state, bucket):
+        raise ValueError("a broken comm hook")
+
+    ddp.register_comm_hook(None, broken)
+    x, y = make_batch("tiny-gpt", 4, seed=0)
+    try:
+        ddp(x, y).backward()
+    except Exception as e:  # the engine may wrap it
+        return {"error": str(e), "gc_enabled": gc.isenabled()}
+    return {"error": None, "gc_enabled": gc.isenabled()}
+
+
+def test_a_failed_launch_leaves_garbage_collection_on():
+    (r,) = dplab.launch(_comm_hook_raises_under_a_tracer, 1)
+    assert "a broken comm hook" in r["error"]
+    assert r["gc_enabled"]
+
+
 # -- the trace command line -----------------------------------------------------------------------
 
 

@@ -598,9 +598,19 @@ class DDP(nn.Module):
             st.next_bucket += 1
 
     def _launch(self, b: int) -> None:
-        buffer = self.bucket_buffers[b]
         self._scale(b)
         self._observer.allreduce_start(b)
+        try:
+            work, nbytes = self._start_collective(b)
+        except BaseException:
+            self._observer.allreduce_failed(b)
+            raise
+        self._st.works.append(work)
+        self._observer.allreduce_launched(b, work, nbytes)
+
+    def _start_collective(self, b: int) -> tuple[Any, int]:
+        """Bucket ``b``'s all-reduce, or the comm hook's collective: (its future, bytes sent)."""
+        buffer = self.bucket_buffers[b]
         if self._comm_hook is None:
             work: Any = dist.all_reduce(buffer, group=self.process_group, async_op=True)
             nbytes = buffer.numel() * buffer.element_size()
@@ -623,8 +633,7 @@ class DDP(nn.Module):
                     "torch.futures.Future"
                 )
             nbytes = sent[0]
-        self._st.works.append(work)
-        self._observer.allreduce_launched(b, work, nbytes)
+        return work, nbytes
 
     def _end_of_backward(self) -> None:
         """Engine callback: every gradient is in. Launch what is left, wait, copy out, reset."""

@@ -125,21 +125,30 @@ class HostClock:
         return (mark - origin) / 1e6
 
     def completion(self, work: Any) -> list[Any]:
-        """A box that the completing thread fills: [time, its native id, its counters], and
-        the native id of the thread that attached the callback.
+        """A box that the completing thread fills: [time, its native id, its counters, the
+        native id of the thread that attached the callback, (time, every worker's counters)].
+
+        The time is taken last, as the callback returns: gloo ends a collective (and
+        torch.profiler's range) only after its future's callbacks have run, and a worker that
+        loses its CPU inside one is still busy with that collective. The workers' counters read
+        here are one more reading for :func:`worker_spans`, taken where the launching thread
+        takes none (while it waits).
 
         A collective that finished before the callback was attached fills it at once, on the
         attaching thread: its time is then only an upper bound of the end.
         """
-        box: list[Any] = [None, None, None, threading.get_native_id()]
+        box: list[Any] = [None, None, None, threading.get_native_id(), None]
         threads = self.threads
 
         def done(_: Any) -> None:
-            box[0] = time.perf_counter_ns()
             tid = threading.get_native_id()
             box[1] = tid
             if threads is not None:
-                box[2] = threads.read(tid)
+                read_at = time.perf_counter_ns()
+                sched = threads.snapshot()
+                box[2] = sched.get(tid)
+                box[4] = (read_at, sched)
+            box[0] = time.perf_counter_ns()
 
         future_of(work).then(done)
         return box
@@ -239,12 +248,14 @@ def worker_spans(
     - start, T still running an earlier collective at the launch: the moment it finished that
       one (it takes the next queued collective at once; measured within tens of µs);
     - start, T idle: when it first got a CPU after the launch. Its counters, read just before
-      the launch and at the hooks after it, show that moment: the first reading in which T has
-      had one more time slice adds exactly its wait for it, so the start is the launch plus that
-      wait. If T had run more than once by then (it started, slept waiting for the peer, ran
-      again) that wait holds later waits too: the start is then placed after the last reading
-      that showed no run, and no later than the launch plus the whole wait;
-    - end: the completion callback, run by T the moment the collective is done.
+      the launch, at the hooks after it and in completion callbacks, show that moment: the
+      first reading in which T has had one more time slice adds its wait for it, so the start
+      is the launch plus that wait, kept between the last reading that showed no run and that
+      reading (T may have been runnable already, or woken later, by something else). If T had
+      run more than once by then (it started, slept waiting for the peer, ran again) that wait
+      holds later waits too; the start lies between the last reading without a run and the
+      launch plus the whole wait, and is placed halfway;
+    - end: the completion callback, run by T when the collective is done, as it returns.
 
     A collective already done when its callback was attached (``inline``) ran while the
     launching thread had no CPU: its worker is the thread that ran since the launch and could
@@ -316,8 +327,24 @@ def _first_run(comm: Collective, tid: int, polls: list[Poll]) -> float:
         if ran <= 0:
             still = t
             continue
-        waited = (s.wait_ns - base.wait_ns) / 1e6
+        latest = max(still, min(t, comm.launch_ms + (s.wait_ns - base.wait_ns) / 1e6))
         if ran == 1:
-            return comm.launch_ms + waited
-        return max(still, min(t, comm.launch_ms + waited))
+            return latest
+        return (still + latest) / 2
     return comm.launch_ms
+
+
+def merge_polls(polls: list[Poll], more: list[Poll]) -> tuple[list[Poll], list[int]]:
+    """``polls`` and ``more`` in one time order, and where each of ``polls`` went.
+
+    The launching thread's readings are indexed by the collectives (``first_poll``,
+    ``attach_poll``); the completion callbacks' readings join them in between.
+    """
+    tagged = [(p.t_ms, 0, n, p) for n, p in enumerate(polls)]
+    tagged += [(p.t_ms, 1, n, p) for n, p in enumerate(more)]
+    tagged.sort(key=lambda x: x[:3])
+    where = [0] * len(polls)
+    for i, (_, theirs, n, _) in enumerate(tagged):
+        if not theirs:
+            where[n] = i
+    return [p for *_, p in tagged], where

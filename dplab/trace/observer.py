@@ -39,6 +39,9 @@ class StepObserver(Protocol):
     def allreduce_launched(self, bucket: int, work: Any, nbytes: int) -> None:
         """It was launched: ``work`` completes when it is done; ``nbytes`` were sent."""
 
+    def allreduce_failed(self, bucket: int) -> None:
+        """Its launch raised (a comm hook's error, say): no ``allreduce_launched`` follows."""
+
     def backward_end(self, *, synced: bool) -> None:
         """The autograd engine's final callback runs; ``synced`` unless under ``no_sync``."""
 
@@ -71,6 +74,9 @@ class NullObserver:
         pass
 
     def allreduce_launched(self, bucket: int, work: Any, nbytes: int) -> None:
+        pass
+
+    def allreduce_failed(self, bucket: int) -> None:
         pass
 
     def backward_end(self, *, synced: bool) -> None:

@@ -21,6 +21,7 @@ What is recorded (times are marks of the clock, resolved after the step):
 
 from __future__ import annotations
 
+import gc
 import socket
 import weakref
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from dplab.trace.clocks import (
     HostClock,
     Poll,
     WorkerThreads,
+    merge_polls,
     worker_spans,
 )
 from dplab.trace.step import Span, StepTrace
@@ -90,6 +92,7 @@ class Tracer:
         self._threads: WorkerThreads | None = None
         self._unseen: dict[int, Any] = {}  # workers not yet seen running since the last launch
         self._polls_left = 0
+        self._gc_deferred = False
         self.meta: dict[str, Any] = {}
         self._watched: weakref.ref | None = None
 
@@ -198,11 +201,27 @@ class Tracer:
         self._current.ready.append((bucket, self._clock.now()))
 
     def allreduce_start(self, bucket: int) -> None:
+        # A garbage collection between the launch and the attach of the completion callback
+        # (hundreds of ms on a large heap) would let the collective finish unseen, dated only
+        # by the attach; the collection is put off to just after the attach instead.
+        self._gc_deferred = gc.isenabled()
+        gc.disable()
         self._launch_mark = self._clock.now()
         self._launch_poll = self._poll(self._launch_mark, launch=True)
 
+    def allreduce_failed(self, bucket: int) -> None:
+        self._resume_gc()
+
+    def _resume_gc(self) -> None:
+        if self._gc_deferred:
+            self._gc_deferred = False
+            gc.enable()
+
     def allreduce_launched(self, bucket: int, work: Any, nbytes: int) -> None:
-        end = self._clock.completion(work)
+        try:
+            end = self._clock.completion(work)
+        finally:
+            self._resume_gc()
         comm = _Comm(bucket, nbytes, self._launch_mark, end, first_poll=self._launch_poll)
         if self._threads is not None:
             # A collective that a worker ran to its end before the callback was attached has
@@ -303,20 +322,23 @@ class Tracer:
         latest = max((s.end_ms for s in spans if s.kind == "wait"), default=0.0)
         ends = [ms(c.end[0]) if c.end[0] is not None else latest for c in raw.comms]
         workers = set(self._threads.tids) if self._threads is not None else set()
+        polls, where = merge_polls(
+            [Poll(ms(mark), sched) for mark, sched in raw.polls],
+            [Poll(ms(c.end[4][0]), c.end[4][1]) for c in raw.comms if _read_at_completion(c)],
+        )
         seen = [
             Collective(
                 launch_ms=ms(c.launch),
                 end_ms=end,
                 thread=c.end[1] if len(c.end) > 1 and c.end[1] in workers else None,
                 end_sched=c.end[2] if len(c.end) > 2 else None,
-                first_poll=c.first_poll,
-                attach_poll=c.attach_poll,
+                first_poll=None if c.first_poll is None else where[c.first_poll],
+                attach_poll=None if c.attach_poll is None else where[c.attach_poll],
                 # its callback ran on the thread that attached it: it was already done
                 inline=len(c.end) > 3 and c.end[1] is not None and c.end[1] == c.end[3],
             )
             for c, end in zip(raw.comms, ends, strict=True)
         ]
-        polls = [Poll(ms(mark), sched) for mark, sched in raw.polls]
         for comm, (start, end) in zip(
             raw.comms,
             worker_spans(seen, polls, self._lanes),
@@ -360,6 +382,11 @@ def pick_clock(backend: str, device: torch.device) -> HostClock | CudaClock:
     if backend == "nccl" and device.type == "cuda":
         return CudaClock(device)
     return HostClock(WorkerThreads.find() if backend == "gloo" else None)
+
+
+def _read_at_completion(comm: _Comm) -> bool:
+    """Whether the collective's completion callback read the workers' counters (host clock)."""
+    return len(comm.end) > 4 and comm.end[4] is not None
 
 
 def _gloo_threads(group: Any) -> int:

@@ -4,7 +4,7 @@ Public names: :func:`launch`, :class:`Cluster`, :class:`RankError`, :class:`DDP`
 :class:`StepTrace`; the modules :mod:`dplab.sim`, :mod:`dplab.memory`, :mod:`dplab.collectives`.
 """
 
-from dplab.ddp import DDP, Bucket, NaiveDDP, PerParameterDDP
+from dplab.ddp import DDP, Bucket, ForwardOrderDDP, NaiveDDP, PerParameterDDP
 from dplab.launch import Cluster, RankError, RankTimeout, device, launch
 from dplab.trace import StepTrace, Tracer
 
@@ -12,6 +12,7 @@ __all__ = [
     "DDP",
     "Bucket",
     "Cluster",
+    "ForwardOrderDDP",
     "NaiveDDP",
     "PerParameterDDP",
     "RankError",

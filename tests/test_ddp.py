@@ -370,7 +370,7 @@ def test_bad_input_is_refused(cluster2, kind, message):
 
 def _variants() -> float:
     grads = []
-    for cls in (dplab.DDP, dplab.PerParameterDDP, dplab.NaiveDDP):
+    for cls in (dplab.DDP, dplab.PerParameterDDP, dplab.NaiveDDP, dplab.ForwardOrderDDP):
         model = cls(make_model("tiny-gpt", seed=1))
         x, y = make_batch("tiny-gpt", 4, seed=dist.get_rank())
         model(x, y).backward()
@@ -411,6 +411,28 @@ def test_first_bucket_cap_mb_selects_the_textbook_static_buckets(cluster2):
     assert explicit[0]["first"] == 0.01  # min(cap, 1 MiB) when not chosen
     assert textbook[0]["first"] == 0.005
     assert not torchs[0]["static"] and len(torchs[0]["before"]) == 1  # torch's iteration 0
+
+
+def _forward_order() -> dict:
+    tracer = dplab.Tracer()
+    ddp = dplab.ForwardOrderDDP(make_model("mlp"), bucket_cap_mb=0.01, tracer=tracer)
+    x, y = make_batch("mlp", 4)
+    for _ in range(2):
+        ddp(x, y).backward()
+    step = tracer.steps[-1]
+    end = step.of("backward")[-1].end_ms
+    return {
+        "buckets": [b.param_names for b in ddp.buckets],
+        "first_start_after_backward": min(s.start_ms for s in step.of("allreduce")) - end,
+    }
+
+
+def test_forward_order_buckets_follow_registration_and_start_after_backward(cluster2):
+    names = [n for n, _ in make_model("mlp").named_parameters()]
+    for r in cluster2.run(_forward_order):
+        assert [n for b in r["buckets"] for n in b] == names  # forward order, never rebuilt
+        assert len(r["buckets"]) > 1
+        assert r["first_start_after_backward"] >= 0  # bucket 0 (the first layer) is ready last
 
 
 # -- notebook habits ----------------------------------------------------------------------------

@@ -15,8 +15,11 @@ from dplab.sim import BackwardProfile, ParamTiming, get_link, simulate
 def test_the_reference_answer_passes_and_the_cases_are_not_trivial():
     result = check_exposed_buckets(reference_exposed_buckets)
     assert result.status == PASSED, result.message
-    sets = [c.exposed for c in cases()]
-    assert any(not s for s in sets)  # fully hidden steps
+    every = cases()
+    for c in every:  # backward ends with its last gradient, as §4 measures it
+        assert max(c.ready_ms) == c.backward_end_ms, c.label
+        assert len(c.ready_ms) - 1 in c.exposed, c.label  # so the last bucket is exposed
+    sets = [c.exposed for c in every]
     assert any(len(s) == 1 for s in sets)  # only the last bucket
     assert any(len(s) > 1 for s in sets)  # a queue that spills over
 

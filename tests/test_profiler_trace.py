@@ -12,7 +12,6 @@ traces the error tests need. What the readings are checked against, none of it d
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gzip
 import json
@@ -24,7 +23,6 @@ from pathlib import Path
 import pytest
 
 import dplab
-from dplab.trace import step_metrics
 from dplab.trace.profiler import from_profiler
 
 CAPS = (0.25, 1.0, 25.0)
@@ -225,30 +223,21 @@ def test_backward_and_exposure_agree_with_torchs_reducer_timer(recorded, cap):
         assert s.metrics.exposed_comm_ms <= wait.duration_ms + 1e-9
 
 
-def _exposed_if(trace, starts: dict[int, float], backward_end: float) -> float:
-    """The trace's exposure had each all-reduce started at ``starts[bucket]`` and its (last)
-    backward ended at ``backward_end``."""
-    last = trace.of("backward")[-1]
-    spans = [sp for sp in trace.spans if sp.kind not in ("allreduce", "backward")]
-    spans += [sp for sp in trace.of("backward") if sp is not last]
-    spans.append(dataclasses.replace(last, end_ms=backward_end))
-    spans += [
-        dataclasses.replace(sp, start_ms=min(starts[sp.bucket], sp.end_ms))
-        for sp in trace.of("allreduce")
-    ]
-    return step_metrics(spans).exposed_comm_ms
-
-
 def test_exposure_agrees_with_dplabs_tracer_on_the_same_steps(recorded):
     """dplab.DDP timed by its Tracer (its own hooks and clock) while the profiler watched the
     same steps. Backward's end and each all-reduce's end are seen by both: the typical
-    (median) disagreement is under 0.5 ms. Single steps can differ by more, for known reasons:
-    the Tracer infers an all-reduce's start (when a gloo worker picked it up) and learns of its
-    end from a Python callback that, on a busy machine, waits for the GIL; a rank descheduled
-    inside DDP's (Python) gradient hook moves backward's end in one reading and not the other.
-    So per step the test is the ceiling the Tracer's marks set: exposure no larger than with
-    every all-reduce started the moment its bucket was ready, + 0.5 ms. (The floor is checked
-    against torch's reducer timer above, which has no GIL in its way.)"""
+    (median) disagreement is under 0.5 ms. Single ends can differ by more, for a known reason:
+    gloo closes a collective (and the profiler's range) after its future's callbacks, and a
+    worker that loses its CPU after the Tracer's callback has returned is still inside the
+    profiler's range (about 1% of all-reduces on this machine, by milliseconds; see
+    docs/tracing.md). So the bound per step is what the rank itself saw: the exposed
+    communication lies between backward's last gradient and the end of the rank's wait for its
+    all-reduces (its ``wait()`` returned only when they were all done; the engine's callback,
+    where the wait begins, can run milliseconds after the last gradient on a busy machine),
+    + 0.5 ms for the two readings of backward's end. (The Tracer's own all-reduce ends as the
+    bound failed 1 run in 12 for that 1%; the wait alone, without the callback's delay, 2 in
+    15; this bound passed 25 in 25. The floor is checked against torch's reducer timer above,
+    which has no GIL in its way.)"""
     out, results = recorded
     runs = from_profiler(out / "dplab", forward_name="dplab.DDP.forward")
     backward, ends = [], []
@@ -264,12 +253,9 @@ def test_exposure_agrees_with_dplabs_tracer_on_the_same_steps(recorded):
             ends += [
                 abs(a.end_ms - b.end_ms) for a, b in zip(s.of("allreduce"), theirs, strict=True)
             ]
-            # the most the Tracer's marks allow: every all-reduce started as soon as its
-            # bucket was ready, backward ending at the earlier of the two readings
-            ready = {sp.bucket: sp.start_ms for sp in t.of("bucket_ready")}
-            ours, its = s.of("backward")[-1].end_ms, t.of("backward")[-1].end_ms
-            high = _exposed_if(t, ready, min(ours, its))
-            assert s.metrics.exposed_comm_ms <= high + 0.5, (r, s.step, s.spans, t.spans)
+            (wait,) = t.of("wait")
+            seen_done = wait.end_ms - t.of("backward")[-1].end_ms
+            assert s.metrics.exposed_comm_ms <= seen_done + 0.5, (r, s.step, s.spans, t.spans)
     assert statistics.median(backward) < 0.5, backward
     assert statistics.median(ends) < 0.5, ends
 

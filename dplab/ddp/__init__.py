@@ -6,7 +6,7 @@ train and trace DDP steps; they return ``StepTrace`` objects and small dataclass
 
 from dplab.ddp.accumulate import accumulate
 from dplab.ddp.buckets import assign_buckets, bucket_plan, first_bucket_cap
-from dplab.ddp.ddp import DDP, NaiveDDP, PerParameterDDP
+from dplab.ddp.ddp import DDP, ForwardOrderDDP, NaiveDDP, PerParameterDDP
 from dplab.ddp.runs import (
     VARIANTS,
     TorchComparison,
@@ -21,6 +21,7 @@ __all__ = [
     "DDP",
     "VARIANTS",
     "Bucket",
+    "ForwardOrderDDP",
     "NaiveDDP",
     "PerParameterDDP",
     "TorchComparison",

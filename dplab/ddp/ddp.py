@@ -269,7 +269,11 @@ class DDP(nn.Module):
                 first_bucket_cap_mb=self.first_bucket_cap_mb,
                 find_unused_parameters=self.find_unused_parameters,
             )
-        order = list(reversed(range(len(self._params))))
+        return self._static_plan(list(reversed(range(len(self._params)))))
+
+    def _static_plan(self, order: list[int]) -> list[list[int]]:
+        """The textbook cut: buckets filled over ``order`` with caps ``[first, cap]``."""
+        nbytes, keys = self._sizes_and_keys()
         rows = [(self._params[i][0], 0, nbytes[i], keys[i]) for i in order]
         plan = bucket_plan(
             rows, bucket_cap_mb=self.bucket_cap_mb, first_bucket_cap_mb=self.first_bucket_cap_mb
@@ -734,6 +738,23 @@ class PerParameterDDP(DDP):
 
     def _rebuilt_plan(self, order: list[int]) -> list[list[int]]:
         return [[i] for i in order]
+
+
+class ForwardOrderDDP(DDP):
+    """Teaching variant: buckets cut in registration (forward) order, never rebuilt.
+
+    Bucket 0 then holds the first layers, whose gradients backward delivers last. Buckets are
+    launched strictly in index order (every rank must issue the same collectives in the same
+    sequence), so no all-reduce can start before backward is over: what reverse order avoids.
+    """
+
+    default_static_buckets = True
+
+    def _initial_plan(self) -> list[list[int]]:
+        return self._static_plan(list(range(len(self._params))))
+
+    def _rebuilt_plan(self, order: list[int]) -> list[list[int]]:
+        return self._initial_plan()
 
 
 class NaiveDDP(PerParameterDDP):

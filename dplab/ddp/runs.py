@@ -17,12 +17,17 @@ from torch import nn
 
 from dplab._checks import check_choice, check_count, check_positive_int
 from dplab.ddp.accumulate import accumulate
-from dplab.ddp.ddp import DDP, NaiveDDP, PerParameterDDP
+from dplab.ddp.ddp import DDP, ForwardOrderDDP, NaiveDDP, PerParameterDDP
 from dplab.launch import device as rank_device
 from dplab.models import MODELS, make_batch, make_model
 from dplab.trace import StepMetrics, StepTrace, Tracer
 
-VARIANTS = {"bucketed": DDP, "per_parameter": PerParameterDDP, "naive": NaiveDDP}
+VARIANTS = {
+    "bucketed": DDP,
+    "forward_order": ForwardOrderDDP,
+    "per_parameter": PerParameterDDP,
+    "naive": NaiveDDP,
+}
 
 
 def _check(model: str, variant: str, steps: int, warmup: int, micro_batches: int) -> None:
@@ -34,7 +39,7 @@ def _check(model: str, variant: str, steps: int, warmup: int, micro_batches: int
 
 
 def wrap(module: nn.Module, variant: str, tracer: Tracer | None, **ddp_kwargs: Any) -> DDP:
-    """``module`` in the DDP of ``variant`` (bucketed, per_parameter or naive).
+    """``module`` in the DDP of ``variant`` (bucketed, forward_order, per_parameter or naive).
 
     Every variant takes DDP's arguments: the per-parameter and naive ones accept the bucket caps
     and ignore them (one tensor per all-reduce), so nothing is filtered here.

@@ -57,7 +57,11 @@ def case_from_trace(trace: StepTrace, label: str = "") -> Case:
 
 
 def _made_up_profile(rng: random.Random, n_params: int = 12) -> BackwardProfile:
-    """A model with gradients of varied size, ready at increasing times in backward."""
+    """A model with gradients of varied size, ready at increasing times in backward.
+
+    Backward ends with its last gradient, as in a measured step (§4): so the last bucket is
+    ready only when backward is over, and its all-reduce is always exposed.
+    """
     times = sorted(rng.uniform(1.0, 60.0) for _ in range(n_params))
     params = []
     for i in range(n_params):  # registration order: the last registered is ready first
@@ -67,7 +71,7 @@ def _made_up_profile(rng: random.Random, n_params: int = 12) -> BackwardProfile:
     params = [
         ParamTiming(p.name, p.numel, p.nbytes, p.dtype, ready[i]) for i, p in enumerate(params)
     ]
-    return BackwardProfile("made-up", tuple(params), 10.0, 60.0, 2.0)
+    return BackwardProfile("made-up", tuple(params), 10.0, times[-1], 2.0)
 
 
 def cases(profile: BackwardProfile | None = None, *, seed: int = 0) -> list[Case]:

@@ -8,6 +8,7 @@ must agree to 4 ulps of the largest entry (measured 0.5 ulp).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -317,3 +318,47 @@ def test_figures_build_and_refuse_empty_input(cluster2):
     assert any("diverged at step" in str(t.text) for t in fig.data)
     with pytest.raises(ValueError, match="no runs"):
         V.loss_curves_figure({})
+
+
+# -- where DP sits in 3D parallelism ------------------------------------------------------------
+
+
+def test_3d_layout_keeps_tp_on_a_node_and_puts_dp_replicas_apart():
+    from dplab.mechanics.parallel3d import Layout3D
+
+    job = Layout3D(tp=4, pp=4, dp=2, gpus_per_node=8)
+    assert job.world_size == 32 and job.nodes == 4
+    assert all(job.rank(**job.coords(r)) == r for r in range(job.world_size))
+    assert sorted(r for g in job.groups("dp") for r in g) == list(range(32))
+    assert job.groups("tp")[0] == [0, 1, 2, 3] and job.groups("dp")[0] == [0, 16]
+    assert job.nodes_spanned("tp") == 1 and job.nodes_spanned("dp") == 2
+    # TP: 4 per layer of the stage (32 / 4 = 8) and micro-batch; a middle stage: 2 boundaries
+    assert job.syncs_per_step(layers=32, micro_batches=8) == {"tp": 256, "pp": 32, "dp": 1}
+    assert Layout3D(1, 2, 1).syncs_per_step(4, 3) == {"tp": 0, "pp": 6, "dp": 0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 3, "pp": 1, "dp": 1}, "tp=3 must divide gpus_per_node=8"),
+        ({"tp": 0, "pp": 1, "dp": 1}, "tp must be a positive int, got 0"),
+        ({"tp": 2, "pp": 1, "dp": 1.5}, "dp must be a positive int, got 1.5"),
+    ],
+)
+def test_3d_layout_refuses_bad_shapes(kwargs, message):
+    from dplab.mechanics.parallel3d import Layout3D
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Layout3D(**kwargs)
+
+
+def test_3d_layout_refuses_bad_questions():
+    from dplab.mechanics.parallel3d import Layout3D
+
+    job = Layout3D(2, 2, 2)
+    with pytest.raises(ValueError, match=re.escape("axis must be one of ('tp', 'pp', 'dp')")):
+        job.groups("ep")
+    with pytest.raises(ValueError, match=re.escape("rank must be in [0, 8), got 8")):
+        job.coords(8)
+    with pytest.raises(ValueError, match=re.escape("pp=2 stages must split layers=3 evenly")):
+        job.syncs_per_step(3, 1)

@@ -9,6 +9,7 @@
 - :mod:`~dplab.mechanics.accumulation`: activation memory measured with saved-tensor hooks.
 - :mod:`~dplab.mechanics.lr_scaling`: the linear scaling rule and warm-up on a real task.
 - :mod:`~dplab.mechanics.allreduce`: what the all-reduce computes; the ring on real ranks.
+- :mod:`~dplab.mechanics.parallel3d`: where DP sits in 3D parallelism (layout, syncs per step).
 """
 
 from dplab.ddp import accumulate

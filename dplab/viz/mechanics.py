@@ -174,3 +174,68 @@ def loss_curves_figure(
     fig.update_xaxes(title_text="epochs (samples seen / data set)", row=1, col=1)
     fig.update_xaxes(title_text="epochs", row=1, col=2)
     return layout(fig, title="Linear LR scaling: same epochs, k× the batch", height=430)
+
+
+AXIS_COLORS = {"tp": COLORS["exposed"], "pp": COLORS["allreduce"], "dp": COLORS["optimizer"]}
+REPLICA_COLORS = (COLORS["forward"], COLORS["backward"], COLORS["wait"], COLORS["predicted"])
+
+
+def parallel3d_figure(layout3d: Any, syncs: Mapping[str, int], *, title: str) -> go.Figure:
+    """Left: every GPU of a 3D-parallel job, a row per node, coloured by its DP replica and
+    labelled with its pipeline stage and TP rank. Right: how often each axis syncs per step.
+
+    ``layout3d`` is a :class:`dplab.mechanics.parallel3d.Layout3D`; ``syncs`` its
+    ``syncs_per_step(...)``.
+    """
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.62, 0.38],
+        subplot_titles=("the GPUs, one row per node", "blocking syncs per GPU per optimizer step"),
+    )
+    per_node = layout3d.gpus_per_node
+    for replica in range(layout3d.dp):
+        ranks = [r for r in range(layout3d.world_size) if layout3d.coords(r)["dp"] == replica]
+        fig.add_trace(
+            go.Scatter(
+                x=[r % per_node for r in ranks],
+                y=[layout3d.node_of(r) for r in ranks],
+                mode="markers+text",
+                marker={
+                    "symbol": "square",
+                    "size": 34,
+                    "color": REPLICA_COLORS[replica % len(REPLICA_COLORS)],
+                },
+                text=[f"s{layout3d.coords(r)['pp']}·t{layout3d.coords(r)['tp']}" for r in ranks],
+                textfont={"size": 10, "color": "white"},
+                hovertext=[f"rank {r}: {layout3d.coords(r)}" for r in ranks],
+                hoverinfo="text",
+                name=f"DP replica {replica}",
+            ),
+            row=1,
+            col=1,
+        )
+    fig.update_xaxes(title_text="GPU on the node", dtick=1, row=1, col=1)
+    fig.update_yaxes(
+        title_text="node",
+        dtick=1,
+        autorange="reversed",
+        range=[-0.6, layout3d.nodes - 0.4],
+        row=1,
+        col=1,
+    )
+    axes = [a for a in ("tp", "pp", "dp") if syncs.get(a)]
+    fig.add_trace(
+        go.Bar(
+            x=[a.upper() for a in axes],
+            y=[syncs[a] for a in axes],
+            marker_color=[AXIS_COLORS[a] for a in axes],
+            text=[str(syncs[a]) for a in axes],
+            textposition="outside",
+            showlegend=False,
+        ),
+        row=1,
+        col=2,
+    )
+    fig.update_yaxes(type="log", title_text="syncs per step", row=1, col=2)
+    return layout(fig, title=title, height=420)

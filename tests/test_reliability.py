@@ -425,9 +425,12 @@ def test_a_user_created_nccl_group_still_puts_each_rank_on_its_own_gpu(monkeypat
     def gather(out, obj, group=None):
         out[:] = [obj] * len(out)
 
+    barriers: list[None] = []
     monkeypatch.setattr(dist, "all_gather_object", gather)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: barriers.append(None))
     assert dplab.launch(lambda: str(dplab.device()), 2) == ["cuda:1", "cuda:1"]
     assert chosen == [1]
+    assert len(barriers) == 1  # after the gather: see launch._run_in_place
 
 
 # -- 3. a run folder is one run -----------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Two ways to tell time in a DDP step, behind one small interface.
 
 - :class:`HostClock` (CPU, gloo): ``perf_counter_ns`` at launch, and at completion a callback on
-  the collective's future, which gloo's own worker thread runs the moment the all-reduce is
-  done. The overlap on CPU is real: gloo reduces on its threads while autograd computes.
+  the collective's future, which gloo's own worker thread runs when the all-reduce is done
+  (timed as it returns: gloo closes the collective after its callbacks). The overlap on CPU is
+  real: gloo reduces on its threads while autograd computes.
 - :class:`CudaClock` (GPU, NCCL): ``torch.cuda.Event(enable_timing=True)`` recorded on the
   streams that do the work. The host only *enqueues* kernels, so host clocks would time the
   enqueueing, not the work. A bucket's ``ready`` event goes on the compute stream just before its

@@ -226,6 +226,23 @@ def _broadcast_rank(fn: Callable) -> dict[str, Any]:
     }
 
 
+def _judged_run(
+    exercise: str,
+    rank_fn: Callable,
+    judge: Callable[[str, list[dict[str, Any]]], CheckResult | None],
+    learner_fn: Any,
+    cluster: Any,
+    world_size: int,
+    *args: Any,
+) -> list[dict[str, Any]] | CheckResult:
+    """The ranks' results if ``judge`` finds nothing wrong in them; else what it (or the run)
+    says went wrong. For checkers that repeat one run per world size or A."""
+    results = _run_on_ranks(exercise, rank_fn, learner_fn, cluster, world_size, *args)
+    if isinstance(results, CheckResult):
+        return results
+    return judge(exercise, results) or results
+
+
 def check_broadcast_weights(fn: Any, cluster: Any = None, *, world_size: int = 2) -> CheckResult:
     """Ranks start with different parameters *and buffers* (a BatchNorm's running statistics);
     after ``fn(model)`` every rank must hold rank 0's, both."""
@@ -354,12 +371,9 @@ def check_average_gradients(
     name = "average_gradients"
     worst = 0.0
     for n in world_sizes:
-        results = _run_on_ranks(name, _average_rank, fn, cluster, n)
+        results = _judged_run(name, _average_rank, _judge_average, fn, cluster, n)
         if isinstance(results, CheckResult):
             return results
-        failed = _judge_average(name, results)
-        if failed is not None:
-            return failed
         worst = max(worst, *(r["max_diff"] for r in results))
     sizes = " and ".join(f"N = {n}" for n in world_sizes)
     return CheckResult(
@@ -477,12 +491,11 @@ def check_accumulation_step(
     name = "accumulation_step"
     worst, calls = 0.0, []
     for a in accums:
-        results = _run_on_ranks(name, _accumulation_rank, fn, cluster, world_size, a)
+        results = _judged_run(
+            name, _accumulation_rank, _judge_accumulation, fn, cluster, world_size, a
+        )
         if isinstance(results, CheckResult):
             return results
-        failed = _judge_accumulation(name, results)
-        if failed is not None:
-            return failed
         worst = max(worst, *(r["max_diff"] for r in results))
         calls.append((a, results[0]["all_reduce_calls"], results[0]["n_buckets"]))
     per_a = "; ".join(f"A = {a}: {c} all-reduce(s) for {b} bucket(s)" for a, c, b in calls)

@@ -44,9 +44,10 @@ def _run_call(rundir: Path, rank: int, timeout_s: float) -> int:
         # The other ranks may wait in a collective this one never joins: the caller stops them.
         os._exit(1)
     # Every rank has written its result: meet once more, then leave without the interpreter's
-    # teardown. Destroying gloo's process group while the ranks' threads wind down aborted a rank
-    # now and then under load ("terminate called without an active exception", SIGABRT, seen in
-    # CI after every result was written), which failed a run that had succeeded.
+    # teardown. A gloo worker thread drops its last collective's tensors only after wait() has
+    # returned, which needs the GIL; a rank that reached finalization first was aborted ("terminate
+    # called without an active exception", SIGABRT, after every result was written). The barrier
+    # hands the GIL over; leaving with os._exit skips the finalization altogether.
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

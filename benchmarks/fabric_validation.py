@@ -4,7 +4,8 @@
     python benchmarks/fabric_validation.py --fit           # refit the global constants
     python benchmarks/fabric_validation.py --markdown docs/fabric-validation.md
 
-Reads ``shared/data/nccl-tests-published.json`` (beside the repository). Each run becomes a
+Reads ``assets/data/nccl-tests-published.json`` (copied from the sources it names). Each run
+becomes a
 :class:`dplab.sim.Fabric` from its own hardware fields (GPU, GPUs per node, nodes, NICs and
 their speed, network), with the algorithm NCCL was forced to where the source forced one. A
 row's measured time is its ``time_us``, or, where only bus bandwidth was published, the time
@@ -28,8 +29,9 @@ from pathlib import Path
 
 from dplab.sim.fabric import Fabric, minimize_log
 from dplab.sim.nccl_model import DEFAULT_CALIBRATION, Calibration
+from dplab.sim.nccl_tests import PUBLISHED_JSON
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nccl-tests-published.json"
+DATA = PUBLISHED_JSON
 MIB, KIB = 2**20, 2**10
 LARGE, SMALL = 64 * MIB, 64 * KIB
 PEAK_BYTES = 16 * 2**30

@@ -1,6 +1,6 @@
 """Fabric: NCCL's cost model against published nccl-tests runs, and its parts on their own.
 
-The oracle is measurement nobody here made: ``shared/data/nccl-tests-published.json`` (vendor
+The oracle is measurement nobody here made: ``assets/data/nccl-tests-published.json`` (vendor
 and maintainer logs) and nccl-tests' own printed columns. The model's few constants are fitted
 on a training subset (benchmarks/fabric_validation.py); the held-out runs must meet the goals
 too, and the shipped constants must be what that fit gives, so none is tuned by hand.
@@ -19,13 +19,10 @@ import pytest
 from dplab.collectives.cost import ring_time
 from dplab.sim.fabric import PRESETS, Fabric, busbw_from_time, with_straggler
 from dplab.sim.nccl_model import DEFAULT_CALIBRATION, Calibration
-from dplab.sim.nccl_tests import format_nccl_tests, parse_nccl_tests
+from dplab.sim.nccl_tests import PUBLISHED_JSON, format_nccl_tests, parse_nccl_tests
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nccl-tests-published.json"
-needs_data = pytest.mark.skipif(
-    not DATA.exists(), reason=f"published nccl-tests data not found at {DATA}"
-)
+DATA = PUBLISHED_JSON
 
 
 def _validation():
@@ -51,7 +48,6 @@ def points(val):
 # --- the done-when: predicted vs measured on every published run ---------------------------
 
 
-@needs_data
 @pytest.mark.parametrize("subset", ["all", "held-out"])
 def test_published_runs_meet_the_goals(val, points, subset):
     sel = points if subset == "all" else [p for p in points if p.held_out]
@@ -62,7 +58,6 @@ def test_published_runs_meet_the_goals(val, points, subset):
     assert s["small"]["median_factor"] <= 1.5, s["small"]
 
 
-@needs_data
 def test_every_published_row_is_compared(val, points):
     runs = json.loads(DATA.read_text())
     usable = sum(
@@ -76,7 +71,6 @@ def test_every_published_row_is_compared(val, points):
     assert held and held.isdisjoint(val.TRAIN_IDS)
 
 
-@needs_data
 def test_shipped_constants_are_the_training_fit(val, points):
     fitted = val.fit_calibration(points)
     d = DEFAULT_CALIBRATION
@@ -240,7 +234,6 @@ def test_fit_from_dplab_bandwidth_rows():
 # --- reading nccl-tests output --------------------------------------------------------------
 
 
-@needs_data
 def test_parser_reads_the_published_logs_verbatim():
     runs = {r["id"]: r for r in json.loads(DATA.read_text())}
     for rid in ("aws-p4de-2node-efa1", "aws-p3dn-2node-efa", "stas00-a100-1node",

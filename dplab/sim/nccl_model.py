@@ -22,7 +22,7 @@ model's structure, read from the source at commit 5067397 (June 2026), not copie
 NCCL uses the model only to *rank* choices, and it is optimistic in absolute terms. What this
 module adds, as a :class:`Calibration` of four global constants fitted (by
 ``benchmarks/fabric_validation.py --fit``) to the *training* rows of the published nccl-tests
-runs in ``shared/data/nccl-tests-published.json``, never per row:
+runs in ``assets/data/nccl-tests-published.json``, never per row:
 
 - ``bw_efficiency``: achieved / modelled bandwidth of ring and tree;
 - ``nvls_efficiency``: the same for NVLS and NVLS-tree (NCCL's model puts H100 NVLS near

@@ -14,8 +14,11 @@ trimmed tables of just ``size time algbw busbw``. Header and summary lines start
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 DTYPES = {
     "int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float16", "float", "float32",
@@ -25,6 +28,17 @@ REDOPS = {"sum", "prod", "max", "min", "avg", "mulsum", "none"}
 _PREFIX = re.compile(r"^\s*(?:\[[^\]]*\]<\w+>:|\d+:)\s?")
 _RANK = re.compile(r"^#\s*Rank\s+(\d+)\b")
 _VERSION = re.compile(r"NCCL version\s+(\d+\.\d+\.\d+)")
+ASSETS_DATA = Path(__file__).resolve().parents[2] / "assets" / "data"
+PUBLISHED_JSON = ASSETS_DATA / "nccl-tests-published.json"
+
+
+def published_runs() -> list[dict[str, Any]]:
+    """The published nccl-tests runs the repository carries (``assets/data``, each with its source).
+
+    They are the simulator's outside oracle: measured on clusters nobody here had, quoted from
+    their sources, so the course checks its model against them in a learner's clone too.
+    """
+    return json.loads(PUBLISHED_JSON.read_text())
 
 
 @dataclass(frozen=True)

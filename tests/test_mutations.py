@@ -7,11 +7,12 @@ the lesson cells that carry the claim, with ``PYTHONPATH`` pointing at the copy 
 every rank it starts import the mutant). The unmutated copy must pass the same notebook first:
 otherwise a "caught" mutant proves nothing.
 
-The derived notebook is cells of ``03_dp_mechanics`` (setup, §3.3 traffic, §3.4 B_global,
-§3.5 accumulation) and of ``08_ddp`` (setup, §2 three ways to all-reduce and overlap by its
-definition, §4 the last bucket), copied verbatim by cell id; a missing id fails the test. Cost
-on 2 idle cores: one control and five mutants, each a kernel, two rank pools and a few seconds of
-training; mutants stop at the first failing cell (``-x``).
+The derived notebook is cells of ``03_dp_mechanics`` (setup, §3.3 traffic), of
+``03b_batch_accumulation_allreduce`` (setup, §3.4 B_global, §3.5 accumulation) and of ``08_ddp``
+(setup, §2 three ways to all-reduce and overlap by its definition, §4 the last bucket), copied
+verbatim by cell id; a missing id fails the test. Cost on 2 idle cores: one control and one run
+per mutant, each a kernel, two rank pools and a few seconds of training; mutants stop at the
+first failing cell (``-x``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ LESSON_CELLS = {
     "03_dp_mechanics.ipynb": [
         "s3-01",  # imports, the 2- and 4-rank pools
         "s3-18", "s3-19",  # §3.3: exactly the gradient bytes per step
+        "s3-50",  # close the pools
+    ],
+    "03b_batch_accumulation_allreduce.ipynb": [
+        "s3b-01",  # imports, the 2- and 4-rank pools
         "s3-23", "s3-24",  # §3.4: same B_global, same weights (N = 1, 2, 4)
         "s3-26", "s3-27",  # §3.5: one all-reduce per bucket with no_sync, the big batch's weights
-        "s3-50",  # close the pools
+        "s3b-50",  # close the pools
     ],
     "08_ddp.ipynb": [
         "cdff95d1",  # imports, the pool, MODEL, measure, every_step, median

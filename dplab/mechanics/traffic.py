@@ -42,12 +42,17 @@ PAYLOAD_ARG = {
 
 @dataclass(frozen=True)
 class CommRecord:
-    """One collective call on this rank."""
+    """One collective call on this rank.
+
+    ``l1`` is the payload's sum of absolute values as it was handed over (all-reduce only): what
+    was sent, not just how much, so a lesson can tell gradients from weights of the same size.
+    """
 
     op: str
     nbytes: int
     phase: str
     dtype: str
+    l1: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,11 +94,13 @@ class CommCounter:
         signature = inspect.signature(original)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            nbytes, dtype = 0, ""
+            nbytes, dtype, l1 = 0, "", None
             if arg is not None:
-                bound = signature.bind_partial(*args, **kwargs)
-                nbytes, dtype = _nbytes(bound.arguments.get(arg))
-            self.records.append(CommRecord(op, nbytes, self._phase, dtype))
+                payload = signature.bind_partial(*args, **kwargs).arguments.get(arg)
+                nbytes, dtype = _nbytes(payload)
+                if op == "all_reduce" and isinstance(payload, torch.Tensor):
+                    l1 = float(payload.detach().abs().double().sum())
+            self.records.append(CommRecord(op, nbytes, self._phase, dtype, l1))
             return original(*args, **kwargs)
 
         counted.__wrapped__ = original  # type: ignore[attr-defined]

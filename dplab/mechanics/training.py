@@ -41,6 +41,22 @@ def broadcast_from_rank0(model: nn.Module) -> None:
             dist.broadcast(t, src=0)
 
 
+def local_gradient_l1(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], *, scale_loss: bool
+) -> float:
+    """Sum of |g| of this rank's own gradient for ``batches``, on a plain copy of the replica.
+
+    The oracle for "DDP sends the gradients": computed without DDP (a fresh model loaded with the
+    replica's weights, so no DDP hook is copied along), the same micro-batches and loss scaling.
+    """
+    plain = make_model("mlp", dtype=next(model.parameters()).dtype)
+    plain.load_state_dict(model.state_dict())
+    for x, y in batches:
+        loss = plain(x, y)
+        (loss / len(batches) if scale_loss else loss).backward()
+    return sum(float(p.grad.abs().double().sum()) for p in plain.parameters() if p.grad is not None)
+
+
 def step_batches(
     step: int, *, global_batch: int, accum: int, seed: int, dtype: torch.dtype
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -80,7 +96,7 @@ def train_run(
     model = make_model("mlp", seed=seed + (1 + rank if different_init else 0), dtype=dt)
     hashes = {"initial": params_hash(model)}
     counter = CommCounter()
-    losses, first_grad = [], None
+    losses, first_grad, local_l1 = [], None, []
     with counter:
         with counter.phase("construction"):
             if n > 1 and synchronise:
@@ -96,6 +112,7 @@ def train_run(
                 batches = step_batches(
                     step, global_batch=global_batch, accum=accum, seed=seed, dtype=dt
                 )
+                local_l1.append(local_gradient_l1(model, batches, scale_loss=scale_loss))
                 losses.append(accumulate(net, batches, no_sync=no_sync, scale_loss=scale_loss))
                 if step == 0:
                     first_grad = flat_grads(model)
@@ -116,6 +133,7 @@ def train_run(
         "first_grad": first_grad,
         "losses": losses,
         "comm": counter.to_dicts(),
+        "local_grad_l1": local_l1,  # per step: sum |g| of this rank's own gradient (no DDP)
         "grad_bytes": sum(p.numel() * p.element_size() for p in trainable),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "n_buckets": len(net.buckets) if isinstance(net, DDP) else 0,

@@ -7,7 +7,7 @@ Each lesson is run top to bottom on this machine (so every number in a picture w
 while taking it), then one element is photographed:
 
 - ``screenshot-ring-stepper.png``: §3's ring all-reduce, stepped into the reduce-scatter;
-- ``screenshot-bucket-explorer.png``: §8's BucketExplorer, a measured DDP step per rank;
+- ``screenshot-bucket-explorer.png``: §8f's BucketExplorer, a measured DDP step per rank;
 - ``screenshot-memory-wall.png``: §9's MemoryWall, one rank's memory and the verdict;
 - ``screenshot-timeline.png``: the timeline that "Start here" teaches to read.
 
@@ -92,8 +92,8 @@ class Shot:
 
 
 SHOTS = [
-    Shot("ring-stepper", "03_dp_mechanics.ipynb", ring_stepper),
-    Shot("bucket-explorer", "08_ddp.ipynb", bucket_explorer),
+    Shot("ring-stepper", "03b_batch_accumulation_allreduce.ipynb", ring_stepper),
+    Shot("bucket-explorer", "08f_your_own_job.ipynb", bucket_explorer),
     Shot("memory-wall", "09_memory_wall.ipynb", memory_wall),
     Shot("timeline", "00_start_here.ipynb", timeline),
 ]

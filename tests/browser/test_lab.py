@@ -2,7 +2,7 @@
 
 For every notebook: Run All, then no error output, every plotly figure drawn (its
 ``svg.main-svg``), every widget drawn. Then the lessons' widgets are used as a learner uses
-them: the bucket-cap slider of §8 moved with the keyboard re-measures the step and the bucket
+them: the bucket-cap slider of §8f moved with the keyboard re-measures the step and the bucket
 count changes; the model of §9's memory wall changed with the dropdown changes the verdict.
 """
 
@@ -55,7 +55,7 @@ def _widget(lesson: Lesson, selector: str, widget: str, module: str, inner: str)
     return found.first
 
 
-# -- §8: the bucket explorer re-measures when its slider moves -----------------------------------
+# -- §8f: the bucket explorer re-measures when its slider moves ----------------------------------
 
 
 def _bucket_count(text: str) -> int:
@@ -65,7 +65,7 @@ def _bucket_count(text: str) -> int:
 
 
 def test_bucket_explorer_slider_remeasures(lessons: Lessons, pages_to_keep: list[Any]) -> None:
-    lesson = lessons.run("08_ddp.ipynb", pages_to_keep, clean=True)
+    lesson = lessons.run("08f_your_own_job.ipynb", pages_to_keep, clean=True)
     page = lesson.page
     explorer = _widget(
         lesson,

@@ -1,0 +1,164 @@
+"""How often does each lesson go red for a reason a learner cannot see? Red runs per cell.
+
+Each round runs every notebook once under nbval (``pytest --nbval-lax``), in an order that
+rotates from round to round, so a slow moment of the machine does not always land on the same
+lesson. ``--load cpu`` keeps one CPU-bound process busy beside the runs (a browser tab, a
+compile: what a learner's laptop is doing anyway). For every notebook it reports the red runs,
+the cells that failed and how often, and the median time; ``--times`` also writes the medians to
+``assets/notebook_times.json``, which ``00_start_here`` prints as the time each lesson takes.
+
+    flock /tmp/dplab-cpu.lock python benchmarks/notebook_flakiness.py --runs 20
+    flock /tmp/dplab-cpu.lock python benchmarks/notebook_flakiness.py --runs 10 --load cpu
+    python benchmarks/notebook_flakiness.py --runs 1 --times    # refresh the recorded times
+
+Run it under the CPU lock on a machine with nothing else running: the point is the lessons'
+own margins, measured on the same 2 cores CI has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+TIMES_JSON = REPO / "assets" / "notebook_times.json"
+RUN_TIMEOUT_S = 600
+
+
+@dataclass
+class Tally:
+    """One notebook's runs: how many, how many red, which cells failed, how long each took."""
+
+    runs: int = 0
+    red: int = 0
+    failed_cells: Counter = field(default_factory=Counter)
+    seconds: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def run_once(notebook: Path) -> tuple[bool, list[str], float, str]:
+    """One nbval run: (passed, failed cell names, seconds, the tail of the output when red)."""
+    with tempfile.TemporaryDirectory(prefix="dplab-flaky-") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+               f"--junitxml={junit}", str(notebook)]  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(
+                cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return False, ["(timed out)"], time.perf_counter() - t0, "timed out"
+        seconds = time.perf_counter() - t0
+        failed = []
+        if junit.exists():
+            for case in ET.parse(junit).getroot().iter("testcase"):
+                if case.find("failure") is not None or case.find("error") is not None:
+                    failed.append(case.get("name", "?"))
+        ok = done.returncode == 0
+        return ok, failed, seconds, "" if ok else (done.stdout + done.stderr)[-1500:]
+
+
+def cpu_hog() -> subprocess.Popen:
+    """One CPU-bound process, the kind of load a learner's machine always has."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def run_rounds(notebooks: list[Path], runs: int, load: str) -> dict[str, Tally]:
+    tallies = {nb.name: Tally() for nb in notebooks}
+    hog = cpu_hog() if load == "cpu" else None
+    try:
+        for k in range(runs):
+            order = notebooks[k % len(notebooks) :] + notebooks[: k % len(notebooks)]
+            for nb in order:
+                ok, failed, seconds, tail = run_once(nb)
+                t = tallies[nb.name]
+                t.runs += 1
+                t.seconds.append(seconds)
+                if not ok:
+                    t.red += 1
+                    t.failed_cells.update(failed or ["(no cell named)"])
+                    t.errors.append(tail)
+                print(f"round {k + 1}/{runs} {nb.name}: {'green' if ok else 'RED ' + str(failed)}"
+                      f" in {seconds:.0f} s", flush=True)  # fmt: skip
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    return tallies
+
+
+def report(tallies: dict[str, Tally], load: str) -> str:
+    lines = [
+        f"| notebook | runs | red | failing cells (count) | median s | max s |  load: {load}",
+        "|---|--:|--:|---|--:|--:|",
+    ]
+    for name, t in tallies.items():
+        cells = ", ".join(f"{c} ({n})" for c, n in t.failed_cells.most_common()) or "-"
+        lines.append(f"| {name} | {t.runs} | {t.red} | {cells} | "
+                     f"{statistics.median(t.seconds):.0f} | {max(t.seconds):.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_times(tallies: dict[str, Tally], command: str) -> None:
+    """The median nbval time of each lesson, with where and when it was measured."""
+    record = {
+        "recorded": {
+            "date": datetime.date.today().isoformat(),
+            "cores": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(),
+            "command": command,
+        },
+        "seconds": {name: round(statistics.median(t.seconds), 1) for name, t in tallies.items()},
+    }
+    TIMES_JSON.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3, help="rounds over every notebook")
+    ap.add_argument("--load", choices=("none", "cpu"), default="none")
+    ap.add_argument("--only", nargs="*", help="notebook names (default: every lesson)")
+    ap.add_argument("--times", action="store_true", help=f"write {TIMES_JSON.name}")
+    ap.add_argument("--json", type=Path, help="write the tallies here")
+    args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error(f"--runs must be at least 1, got {args.runs}")
+    notebooks = sorted(NOTEBOOKS.glob("[0-9][0-9]*.ipynb"))
+    if args.only:
+        wanted = {n.removesuffix(".ipynb") for n in args.only}
+        notebooks = [nb for nb in notebooks if nb.stem in wanted]
+        if not notebooks:
+            ap.error(f"no notebook named {sorted(wanted)}")
+    tallies = run_rounds(notebooks, args.runs, args.load)
+    print(report(tallies, args.load))
+    for name, t in tallies.items():
+        for tail in t.errors[:1]:
+            print(f"\n--- {name}, first red run:\n{tail}")
+    if args.json:
+        args.json.write_text(json.dumps({n: {"runs": t.runs, "red": t.red,
+                                             "failed_cells": dict(t.failed_cells),
+                                             "seconds": t.seconds}
+                                         for n, t in tallies.items()}, indent=1))  # fmt: skip
+    if args.times:
+        write_times(
+            tallies, "python benchmarks/notebook_flakiness.py " + " ".join(argv or sys.argv[1:])
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -118,14 +118,23 @@ UNPINNED: dict[str, str] = {}
 NBVAL_TIMEOUT_S = 300
 
 
-def derived_notebook() -> nbformat.NotebookNode:
-    """The lesson cells that carry the mutated claims, verbatim, in lesson order."""
+def derived_notebook(upto: str | None = None) -> nbformat.NotebookNode:
+    """The lesson cells that carry the mutated claims, verbatim, in lesson order.
+
+    With ``upto`` (a mutant's ``caught_by``), only that cell's lesson, from its setup cell up to
+    that cell: a mutant needs no later claim, and each saved cell is a few seconds of CI.
+    """
     out = nbformat.v4.new_notebook()
     for name, ids in LESSON_CELLS.items():
+        if upto is not None:
+            if upto not in ids:
+                continue
+            ids = ids[: ids.index(upto) + 1]
         cells = {c.get("id"): c for c in nbformat.read(NOTEBOOKS / name, as_version=4).cells}
         missing = [i for i in ids if i not in cells]
         assert not missing, f"{name} no longer has cells {missing}: update LESSON_CELLS"
         out.cells.extend(cells[i] for i in ids)
+    assert out.cells, f"no lesson in LESSON_CELLS holds cell {upto!r}"
     out.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3"}}
     return out
 
@@ -147,7 +156,7 @@ def copy_package(dest: Path, mutation: Mutation | None) -> None:
 def run_nbval(tmp_path: Path, mutation: Mutation | None) -> subprocess.CompletedProcess:
     copy_package(tmp_path, mutation)
     notebook = tmp_path / "lesson_claims.ipynb"
-    nbformat.write(derived_notebook(), notebook)
+    nbformat.write(derived_notebook(mutation.caught_by if mutation else None), notebook)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax"]
     if mutation is not None:
@@ -190,7 +199,7 @@ def test_a_planted_bug_makes_a_lesson_fail(mutation, tmp_path):
     assert result.returncode != 0, f"{mutation.name} went unnoticed; unpinned: {mutation.claim}"
     # A failed assert, not a crash: the mutant must break a claim, not the notebook.
     assert "AssertionError" in output, output[-4000:]
-    ids = [c.get("id") for c in derived_notebook().cells]
+    ids = [c.get("id") for c in derived_notebook(mutation.caught_by).cells]
     caught = [ids[int(cell.split()[1])] for cell in failing_cells(output)]
     assert caught == [mutation.caught_by], (mutation.name, caught, output[-3000:])
 

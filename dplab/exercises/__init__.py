@@ -19,16 +19,19 @@ from dplab.exercises.checks import (
 )
 from dplab.exercises.ddp import check_exposed_buckets
 from dplab.exercises.my_ddp import check_my_ddp
+from dplab.exercises.zero1 import ShardedOptimizer, check_my_zero1
 
 __all__ = [
     "FAILED",
     "NOT_ATTEMPTED",
     "PASSED",
     "CheckResult",
+    "ShardedOptimizer",
     "check_accumulation_step",
     "check_average_gradients",
     "check_broadcast_weights",
     "check_exposed_buckets",
     "check_my_ddp",
+    "check_my_zero1",
     "solutions",
 ]

@@ -159,6 +159,7 @@ def _curve_traces(
     curves: Mapping[int, Sequence[int]],
     *,
     measured: Mapping[int, int] | None = None,
+    measured_by_stage: Mapping[int, Mapping[int, int]] | None = None,
     unit: str = "GB",
     legend: bool = True,
 ):
@@ -188,6 +189,19 @@ def _curve_traces(
                 hovertemplate=f"measured, N=%{{x}}: %{{y:.3s}} {unit}<extra></extra>",
             )
         )
+    for stage, points in (measured_by_stage or {}).items():
+        label = f"measured, {STAGE_LABELS[stage]}"
+        traces.append(
+            go.Scatter(
+                x=list(points),
+                y=[b / scale for b in points.values()],
+                mode="markers",
+                name=label,
+                marker={"symbol": "x", "size": 12, "color": STAGE_COLORS[stage]},
+                showlegend=legend,
+                hovertemplate=f"{label}, N=%{{x}}: %{{y:.3s}} {unit}<extra></extra>",
+            )
+        )
     return traces
 
 
@@ -201,13 +215,17 @@ def memory_vs_world_size(
     capacity_bytes: int | None = None,
     capacity_label: str = "GPU capacity",
     measured: Mapping[int, int] | None = None,
+    measured_by_stage: Mapping[int, Mapping[int, int]] | None = None,
     title: str = "Memory per rank against the world size",
     unit: str = "auto",
     height: int = 380,
 ) -> go.Figure:
     """Per-rank bytes against N: plain DP stays flat, each ZeRO stage falls as 1/N.
 
-    ``measured`` maps world sizes to bytes measured on real ranks; they are drawn as crosses.
+    ``measured`` maps world sizes to bytes measured on real ranks under plain DP; they are drawn
+    as crosses. ``measured_by_stage`` does the same for each ZeRO stage (stage → {N: bytes}, as
+    §9b measures them with :func:`dplab.sharding.sharded_step`), crosses in the stage's colour
+    beside its curve, so a measurement that left the formula shows as a cross off its line.
     """
     curves = world_size_curves(
         n_params,
@@ -216,9 +234,17 @@ def memory_vs_world_size(
         optimizer=optimizer,
         activations=activations,
     )
-    largest = max([max(c) for c in curves.values()] + list((measured or {}).values()))
+    for stage in measured_by_stage or {}:
+        if stage not in ZERO_STAGES:
+            raise ValueError(f"measured_by_stage keys are ZeRO stages 0..3, got {stage!r}")
+    points = [b for m in (measured_by_stage or {}).values() for b in m.values()]
+    largest = max([max(c) for c in curves.values()] + list((measured or {}).values()) + points)
     unit = pick_unit(unit, max(largest, capacity_bytes or 0))
-    fig = go.Figure(_curve_traces(world_sizes, curves, measured=measured, unit=unit))
+    fig = go.Figure(
+        _curve_traces(
+            world_sizes, curves, measured=measured, measured_by_stage=measured_by_stage, unit=unit
+        )
+    )
     if capacity_bytes is not None:
         fig.add_trace(_capacity_trace(world_sizes, capacity_bytes, capacity_label, unit=unit))
     fig.update_xaxes(type="log", title_text="world size N (ranks)", dtick=0.30103)

@@ -109,22 +109,8 @@ def train_counts(
     so every rank stops at the same step and nobody waits in an all-reduce alone.
     """
     task = task or CountTask()
-    check_positive_int("batch", batch)
-    check_positive_int("epochs", epochs)
-    check_positive_int("evals_per_epoch", evals_per_epoch)
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if warmup_epochs < 0:
-        raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs!r}")
     rank, n = rank_and_world()
-    if batch % n:
-        raise ValueError(f"batch={batch} does not split over world_size={n}")
-    steps_per_epoch = task.n_samples // batch
-    if steps_per_epoch < evals_per_epoch:
-        raise ValueError(
-            f"batch={batch} leaves {steps_per_epoch} steps per epoch, fewer than "
-            f"evals_per_epoch={evals_per_epoch}"
-        )
+    steps_per_epoch = _check_counts_run(task, batch, lr, warmup_epochs, epochs, evals_per_epoch, n)
     t0 = time.perf_counter()
     x, y, true_log_rate = count_data(task, seed)
     floor = poisson_nll(true_log_rate, y).item()
@@ -181,6 +167,29 @@ def train_counts(
         "wall_s": time.perf_counter() - t0,
         "task": task.to_dict(),
     }
+
+
+def _check_counts_run(
+    task: CountTask, batch: int, lr: float, warmup_epochs: float, epochs: int,
+    evals_per_epoch: int, world_size: int,
+) -> int:  # fmt: skip
+    """Refuse a run :func:`train_counts` cannot make; return its steps per epoch."""
+    check_positive_int("batch", batch)
+    check_positive_int("epochs", epochs)
+    check_positive_int("evals_per_epoch", evals_per_epoch)
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if warmup_epochs < 0:
+        raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs!r}")
+    if batch % world_size:
+        raise ValueError(f"batch={batch} does not split over world_size={world_size}")
+    steps_per_epoch = task.n_samples // batch
+    if steps_per_epoch < evals_per_epoch:
+        raise ValueError(
+            f"batch={batch} leaves {steps_per_epoch} steps per epoch, fewer than "
+            f"evals_per_epoch={evals_per_epoch}"
+        )
+    return steps_per_epoch
 
 
 @dataclass(frozen=True)

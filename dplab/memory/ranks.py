@@ -72,50 +72,16 @@ def rank_state(
 
     import dplab
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = None
-    if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
-            raise ValueError(f"group_size must be an int, got {group_size!r}")
-        if not 1 <= group_size <= world:
-            raise ValueError(f"group_size must be in 1..{world}, got {group_size!r}")
-        group = dist.new_group(list(range(group_size)))  # every rank must take part in this call
-        if rank >= group_size:
-            return None
-        world = group_size
+    rank = dist.get_rank()
+    group, world = _sub_group(group_size)
+    if rank >= world:
+        return None
     device = dplab.device()
     torch.manual_seed(0)
     model = measured_gpt(**(model_kwargs or {})).to(device)
-    if zero1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        if precision != "fp32" or optimizer != "adam":
-            raise ValueError("zero1=True measures fp32 AdamW only")
-        model = model.float()
-        opt = ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, process_group=group
-        )
-    else:
-        model, opt = make_recipe(model, precision, optimizer)
-
+    model, opt = _optimizer(model, precision, optimizer, zero1, group)
     bucket_buffers: dict[int, torch.Tensor] = {}
-    if ddp == "torch":
-        wrapped = _wrap_torch_ddp(
-            model,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            bucket_cap_mb=bucket_cap_mb,
-            buffers=bucket_buffers,
-            process_group=group,
-        )
-    elif ddp == "dplab":
-        wrapped = dplab.DDP(
-            model,
-            bucket_cap_mb=bucket_cap_mb,
-            process_group=group,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-        )
-    else:
-        raise ValueError(f"ddp must be 'torch' or 'dplab', got {ddp!r}")
+    wrapped = _wrap(model, ddp, gradient_as_bucket_view, bucket_cap_mb, bucket_buffers, group)
 
     x, y = random_batch(model.vocab, micro_batch, seq_len, seed=rank, device=device)
     train_step(wrapped, opt, [(x, y)])
@@ -142,3 +108,61 @@ def rank_state(
         # bucket bytes not already counted as gradients: what the buckets add to the state
         "bucket_extra_bytes": parts["ddp_buckets"],
     }
+
+
+def _sub_group(group_size: int | None) -> tuple[Any, int]:
+    """The process group of the first ``group_size`` ranks (None: the default group) and its
+    size. Every rank must call it: creating a group is itself a collective."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if group_size is None:
+        return None, world
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"group_size must be an int, got {group_size!r}")
+    if not 1 <= group_size <= world:
+        raise ValueError(f"group_size must be in 1..{world}, got {group_size!r}")
+    return dist.new_group(list(range(group_size))), group_size
+
+
+def _optimizer(
+    model: torch.nn.Module, precision: str, optimizer: str, zero1: bool, group: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The recipe's model and optimizer, or fp32 AdamW sharded by ZeroRedundancyOptimizer."""
+    if not zero1:
+        return make_recipe(model, precision, optimizer)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if precision != "fp32" or optimizer != "adam":
+        raise ValueError("zero1=True measures fp32 AdamW only")
+    model = model.float()
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, process_group=group
+    )
+    return model, opt
+
+
+def _wrap(
+    model: torch.nn.Module, ddp: str, gradient_as_bucket_view: bool, bucket_cap_mb: float,
+    bucket_buffers: dict[int, torch.Tensor], group: Any,
+) -> torch.nn.Module:  # fmt: skip
+    """``model`` in torch's DDP (its bucket buffers collected into ``bucket_buffers``) or in
+    dplab.DDP."""
+    import dplab
+
+    if ddp == "torch":
+        return _wrap_torch_ddp(
+            model,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            bucket_cap_mb=bucket_cap_mb,
+            buffers=bucket_buffers,
+            process_group=group,
+        )
+    if ddp == "dplab":
+        return dplab.DDP(
+            model,
+            bucket_cap_mb=bucket_cap_mb,
+            process_group=group,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+    raise ValueError(f"ddp must be 'torch' or 'dplab', got {ddp!r}")

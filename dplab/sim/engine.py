@@ -34,16 +34,16 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
-from numbers import Real
 from typing import Any
 
-from dplab._checks import check_nonneg, check_world_size
+from dplab._checks import check_nonneg, check_nonneg_each, check_world_size
 from dplab._units import MIB
 from dplab.ddp.buckets import bucket_plan, check_cap_mb
 from dplab.sim.contention import Contention
 from dplab.sim.fabric import Fabric
 from dplab.sim.link import Link
 from dplab.sim.profile import BackwardProfile
+from dplab.trace.bucket import Bucket
 from dplab.trace.step import Span, StepTrace
 
 
@@ -80,16 +80,17 @@ def _network(link: Link | None, fabric: Fabric | None, world_size: int | None) -
 
 def plan_buckets(
     profile: BackwardProfile, *, bucket_cap_mb: float, first_bucket_cap_mb: float
-) -> list[dict[str, Any]]:
-    """The buckets dplab.DDP would build for the profiled model: index, param_names, nbytes."""
+) -> list[Bucket]:
+    """The buckets dplab.DDP would build for the profiled model (equal to its ``ddp.buckets``)."""
     rows = profile.bucket_rows()
     plan = bucket_plan(rows, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
     return [
-        {
-            "index": b,
-            "param_names": [rows[j][0] for j in members],
-            "nbytes": sum(rows[j][2] for j in members),
-        }
+        Bucket(
+            index=b,
+            param_names=tuple(rows[j][0] for j in members),
+            nbytes=sum(rows[j][2] for j in members),
+            numel=sum(rows[j][1] for j in members),
+        )
         for b, members in enumerate(plan)
     ]
 
@@ -118,11 +119,27 @@ def schedule(
     n = len(ready)
     busy = list(comm_ms if busy_comm_ms is None else busy_comm_ms)
     prep = [0.0] * n if prep_ms is None else list(prep_ms)
+    _check_schedule(ready, backward_ms, comm_ms, busy, prep, compute_slowdown)
+    marks, launches, total = _compute_events(ready, prep, backward_ms)
+    return _run_events(marks, launches, total, comm_ms, busy, compute_slowdown, backward_ms)
+
+
+def _check_schedule(
+    ready: Sequence[float],
+    backward_ms: float,
+    comm_ms: Sequence[float],
+    busy: list[float],
+    prep: list[float],
+    compute_slowdown: float,
+) -> None:
+    """Refuse what :func:`schedule` could not lay out: mismatched lengths, negative or
+    overflowing times, a busy all-reduce faster than a quiet one."""
+    n = len(ready)
     if len(busy) != n or len(prep) != n or len(comm_ms) != n:
         raise ValueError("ready, comm_ms, busy_comm_ms and prep_ms need one entry per bucket")
     for name, values in (("ready", ready), ("comm_ms", comm_ms), ("busy_comm_ms", busy)):
-        _check_times(name, values)
-    _check_times("prep_ms", prep)
+        check_nonneg_each(name, values, unit="ms")
+    check_nonneg_each("prep_ms", prep, unit="ms")
     check_nonneg("backward_ms", backward_ms)
     check_nonneg("compute_slowdown", compute_slowdown)
     if any(q < c for q, c in zip(busy, comm_ms, strict=True)):
@@ -135,14 +152,37 @@ def schedule(
             "the step's times overflow (backward, divisions and all-reduces add up to more than "
             f"{_FLOAT_MAX:.3g} ms): check the link or profile numbers"
         )
-    # Lay the division work into the compute timeline: at launch point L_b (when b and all
-    # earlier buckets are ready) the compute thread divides b, pushing later work back.
+
+
+def _compute_events(
+    ready: Sequence[float], prep: list[float], backward_ms: float
+) -> tuple[list[float], list[float], float]:
+    """Each bucket's ready mark and launch in compute time, and backward's total compute.
+
+    The division work is laid into the compute timeline: at launch point L_b (when b and all
+    earlier buckets are ready) the compute thread divides b, pushing later work back."""
+    n = len(ready)
     launch_at = list(itertools.accumulate(ready, max))
     # launch_at never decreases, so "divisions done before time t" is a prefix of prep
     done_prep = [0.0, *itertools.accumulate(prep)]
     marks = [r + done_prep[bisect.bisect_left(launch_at, r)] for r in ready]
     launches = [launch_at[b] + done_prep[b + 1] for b in range(n)]
     total = max(backward_ms, max(ready, default=0.0)) + sum(prep)
+    return marks, launches, total
+
+
+def _run_events(
+    marks: list[float],
+    launches: list[float],
+    total: float,
+    comm_ms: Sequence[float],
+    busy: list[float],
+    compute_slowdown: float,
+    backward_ms: float,
+) -> tuple[list[float], list[float], list[float], float]:
+    """The event loop: compute and the one communication lane advance together, each at its
+    rate while both run, until backward is done and the last all-reduce has ended."""
+    n = len(marks)
     # events: (compute time, 0 = ready mark / 1 = launch, bucket); marks first on ties
     events = sorted(
         [(t, 0, b) for b, t in enumerate(marks)] + [(t, 1, b) for b, t in enumerate(launches)]
@@ -202,13 +242,6 @@ def schedule(
 _FLOAT_MAX = 1.7976931348623157e308
 
 
-def _check_times(name: str, values: Sequence[float]) -> None:
-    """Every duration the schedule adds is a finite number >= 0 (naming the first bad one)."""
-    for i, v in enumerate(values):
-        if not isinstance(v, Real) or isinstance(v, bool) or not 0 <= v < math.inf:
-            raise ValueError(f"{name}[{i}] must be a finite number of ms >= 0, got {v!r}")
-
-
 def simulate(
     profile: BackwardProfile,
     *,
@@ -231,15 +264,15 @@ def simulate(
         profile, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb
     )
     ready_of = {p.name: p.ready_ms for p in profile.params}
-    ready = [max(ready_of[name] for name in b["param_names"]) for b in buckets]
-    comm = [net.allreduce_s(b["nbytes"], n) * 1e3 for b in buckets]
+    ready = [max(ready_of[name] for name in b.param_names) for b in buckets]
+    comm = [net.allreduce_s(b.nbytes, n) * 1e3 for b in buckets]
     _check_comm(comm, buckets, net, n)
     slow = contention or Contention()
     busy = (
         list(comm)
         if isinstance(net, Fabric)
         else [
-            max(slow.busy_seconds(b["nbytes"], n, net) * 1e3, c)
+            max(slow.busy_seconds(b.nbytes, n, net) * 1e3, c)
             for b, c in zip(buckets, comm, strict=True)
         ]
     )
@@ -249,27 +282,9 @@ def simulate(
         comm,
         busy_comm_ms=busy,
         compute_slowdown=slow.compute_slowdown,
-        prep_ms=[profile.divide_ms_per_mib * b["nbytes"] / MIB for b in buckets],
+        prep_ms=[profile.divide_ms_per_mib * b.nbytes / MIB for b in buckets],
     )
-    f = profile.forward_ms
-    spans = [Span("forward", "forward", 0.0, f), Span("backward", "backward", f, f + backward_end)]
-    for b, bucket in enumerate(buckets):
-        t = f + ready_wall[b]
-        spans.append(Span(f"bucket {b} ready", "bucket_ready", t, t, b, bucket["nbytes"]))
-        spans.append(
-            Span(
-                f"all-reduce bucket {b}",
-                "allreduce",
-                f + starts[b],
-                f + ends[b],
-                b,
-                bucket["nbytes"],
-            )
-        )
-    wait_start = f + backward_end
-    wait_end = max(wait_start, f + max(ends, default=0.0))
-    spans.append(Span("wait", "wait", wait_start, wait_end))
-    spans.append(Span("optimizer", "optimizer", wait_end, wait_end + profile.optimizer_ms))
+    spans = _step_spans(profile, buckets, ready_wall, starts, ends, backward_end)
     return StepTrace(
         rank=0,
         world_size=n,
@@ -298,7 +313,31 @@ def simulate(
     )
 
 
-def _check_comm(comm: list[float], buckets: list[dict], net: Any, n: int) -> None:
+def _step_spans(
+    profile: BackwardProfile,
+    buckets: list[Bucket],
+    ready_wall: list[float],
+    starts: list[float],
+    ends: list[float],
+    backward_end: float,
+) -> list[Span]:
+    """The scheduled times as a step's spans: forward, backward, each bucket's ready mark and
+    all-reduce, the wait for the last one, the optimizer."""
+    f = profile.forward_ms
+    spans = [Span("forward", "forward", 0.0, f), Span("backward", "backward", f, f + backward_end)]
+    for b, bucket in enumerate(buckets):
+        t = f + ready_wall[b]
+        spans.append(Span(f"bucket {b} ready", "bucket_ready", t, t, b, bucket.nbytes))
+        start, end = f + starts[b], f + ends[b]
+        spans.append(Span(f"all-reduce bucket {b}", "allreduce", start, end, b, bucket.nbytes))
+    wait_start = f + backward_end
+    wait_end = max(wait_start, f + max(ends, default=0.0))
+    spans.append(Span("wait", "wait", wait_start, wait_end))
+    spans.append(Span("optimizer", "optimizer", wait_end, wait_end + profile.optimizer_ms))
+    return spans
+
+
+def _check_comm(comm: list[float], buckets: list[Bucket], net: Any, n: int) -> None:
     """An all-reduce the network cannot time in finite ms is the network's numbers' fault:
     say which bucket and which link, before the schedule is asked to add infinities."""
     total = math.fsum(comm) if all(math.isfinite(c) for c in comm) else math.inf
@@ -312,7 +351,7 @@ def _check_comm(comm: list[float], buckets: list[dict], net: Any, n: int) -> Non
     )
     raise ValueError(
         f"the all-reduces on {net.name!r}{numbers} at world size {n:,} take longer than a float "
-        f"can hold (bucket {b}, {buckets[b]['nbytes']:,} bytes: {comm[b]!r} ms; all buckets: "
+        f"can hold (bucket {b}, {buckets[b].nbytes:,} bytes: {comm[b]!r} ms; all buckets: "
         f"{total!r} ms): the link's alpha or bandwidth is out of any real range"
     )
 

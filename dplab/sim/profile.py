@@ -219,6 +219,47 @@ def profile_rank(
     # DDP's own hooks tell the timer when each gradient is ready (the seam the Tracer uses);
     # every step runs under no_sync, so nothing is all-reduced: compute alone is measured.
     ddp = DDP(net, tracer=timer)
+    samples = _time_steps(ddp, opt, timer, clock, params, model, batch_size, seed, warmup, steps)
+    divide = _divide_ms_per_mib(sum(p.numel() for _, p in params), clock, dev)
+    out: dict[str, Any] = {
+        "params": [
+            {
+                "name": n,
+                "numel": p.numel(),
+                "nbytes": p.numel() * p.element_size(),
+                "dtype": str(p.dtype).removeprefix("torch."),
+            }
+            for n, p in params
+        ],
+        "samples": samples,
+        "divide_ms_per_mib": divide[1:],
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "device": str(params[0][1].device),
+    }
+    if contention_repeats > 0 and dev.type == "cpu":
+        # The probe measures gloo's threads stealing CPU cores from backward. On a GPU the
+        # slowdown comes from NCCL's kernels sharing the SMs and memory bandwidth, which this
+        # probe cannot see; the simulator's GPU default, free overlap, is an assumption there.
+        backward_ms = statistics.median(s["backward_ms"] for s in samples)
+        batch = make_batch(model, batch_size, seed=seed + 7919 + rank)
+        # A fresh copy of the model: the probe's backward should not run DDP's hooks.
+        probe = make_model(model, seed=seed).to(dev)
+        out["contention"] = contention_rank(probe, batch, backward_ms, contention_repeats)
+    return out
+
+
+def _time_steps(
+    ddp: Any, opt: Any, timer: GradTimer, clock: Any, params: list, model: str,
+    batch_size: int, seed: int, warmup: int, steps: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Time ``warmup + steps`` compute-only steps (all under ``no_sync``); keep the last
+    ``steps``: forward, backward and optimizer times, and when each gradient was ready."""
+    import torch.distributed as dist
+
+    from dplab.models import make_batch
+
+    rank, dev = dist.get_rank(), next(ddp.parameters()).device
     samples = []
     for step in range(warmup + steps):
         x, y = (t.to(dev) for t in make_batch(model, batch_size, seed=seed + 1000 * step + rank))
@@ -248,7 +289,15 @@ def profile_rank(
                     "ready_ms": [clock.ms(m, start) for m in timer.marks],
                 }
             )
-    flat = torch.ones(sum(p.numel() for _, p in params), device=dev)
+    return samples
+
+
+def _divide_ms_per_mib(numel: int, clock: Any, dev: Any) -> list[float]:
+    """DDP's division of the gradients by the world size, ms per MiB (first of 5 dropped)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.ones(numel, device=dev)
     divide = []
     for _ in range(5):
         dist.barrier()  # every rank divides at once, as in a DDP step
@@ -257,32 +306,7 @@ def profile_rank(
         t1 = clock.now()
         clock.settle([])
         divide.append(clock.ms(t1, t0) / (flat.numel() * 4 / MIB))
-    del flat
-    out: dict[str, Any] = {
-        "params": [
-            {
-                "name": n,
-                "numel": p.numel(),
-                "nbytes": p.numel() * p.element_size(),
-                "dtype": str(p.dtype).removeprefix("torch."),
-            }
-            for n, p in params
-        ],
-        "samples": samples,
-        "divide_ms_per_mib": divide[1:],
-        "backend": dist.get_backend(),
-        "world_size": dist.get_world_size(),
-        "device": str(params[0][1].device),
-    }
-    if contention_repeats > 0 and dev.type == "cpu":
-        # The contention probe measures gloo's threads stealing CPU cores from backward: a CPU
-        # effect. On a GPU, NCCL runs on its own SMs and streams; free overlap is the model.
-        backward_ms = statistics.median(s["backward_ms"] for s in samples)
-        batch = make_batch(model, batch_size, seed=seed + 7919 + rank)
-        # A fresh copy of the model: the probe's backward should not run DDP's hooks.
-        probe = make_model(model, seed=seed).to(dev)
-        out["contention"] = contention_rank(probe, batch, backward_ms, contention_repeats)
-    return out
+    return divide
 
 
 def slowest_rank(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -71,22 +71,52 @@ class OverlapExplorer(w.VBox):
             self.extra_links.setdefault(link.name, link)
             link = link.name
         names = [*self.extra_links, *(n for n in LINK_NAMES if n not in self.extra_links)]
-        if link not in names:
-            raise ValueError(f"unknown link {link!r}; choose from {', '.join(names)}")
-        if world_size not in WORLD_SIZES:
-            raise ValueError(f"world_size must be one of {WORLD_SIZES}, got {world_size!r}")
-        cap = check_cap_mb("bucket_cap_mb", bucket_cap_mb)
+        cap = self._check_choices(link, names, world_size, bucket_cap_mb, compute_speedup)
         self.first_bucket_cap_mb = first_bucket_cap_mb
         first_bucket_cap(cap, first_bucket_cap_mb)  # checks it
-        faster_compute(profile, compute_speedup)  # checks it
-        if compute_speedup not in SPEEDUPS:
-            raise ValueError(f"compute_speedup must be one of {SPEEDUPS}, got {compute_speedup!r}")
         self.message = ""
         self.trace: StepTrace | None = None
         self.link: Link | None = None
         self._quiet = False
         first_link = self._named_link(link)  # a link that cannot be read fails here, loudly
+        self._build_controls(link, names, world_size, cap, compute_speedup, contention)
+        left = w.VBox([self.link_dropdown, self.bandwidth_box, self.latency_box])
+        right = w.VBox(
+            [self.world_size_slider, self.cap_slider, self.speedup_slider, self.contention_box]
+        )
+        super().__init__(
+            [
+                w.HBox([left, right]),
+                self.message_html,
+                self.link_html,
+                self.verdict_html,
+                self.timeline,
+                self.sweep_plot,
+            ]
+        )
+        classed(self, "dplab-overlap-explorer")
+        self._use_link(first_link)
 
+    def _check_choices(
+        self, link: str, names: list[str], world_size: int, bucket_cap_mb: float, speedup: float
+    ) -> float:
+        """Refuse a value no control can show, naming it; return the checked cap."""
+        if link not in names:
+            raise ValueError(f"unknown link {link!r}; choose from {', '.join(names)}")
+        if world_size not in WORLD_SIZES:
+            raise ValueError(f"world_size must be one of {WORLD_SIZES}, got {world_size!r}")
+        cap = check_cap_mb("bucket_cap_mb", bucket_cap_mb)
+        faster_compute(self.profile, speedup)  # checks it
+        if speedup not in SPEEDUPS:
+            raise ValueError(f"compute_speedup must be one of {SPEEDUPS}, got {speedup!r}")
+        return cap
+
+    def _build_controls(
+        self, link: str, names: list[str], world_size: int, cap: float, compute_speedup: float,
+        contention: bool,
+    ) -> None:  # fmt: skip
+        """The controls and outputs, each with the CSS class the browser tests find it by."""
+        profile = self.profile
         self.link_dropdown = classed(
             w.Dropdown(options=[*names, CUSTOM], value=link, description="link", style=_STYLE),
             "dplab-link",
@@ -130,22 +160,6 @@ class OverlapExplorer(w.VBox):
             self.contention_box,
         ):
             control.observe(self._on_change, names="value")
-        left = w.VBox([self.link_dropdown, self.bandwidth_box, self.latency_box])
-        right = w.VBox(
-            [self.world_size_slider, self.cap_slider, self.speedup_slider, self.contention_box]
-        )
-        super().__init__(
-            [
-                w.HBox([left, right]),
-                self.message_html,
-                self.link_html,
-                self.verdict_html,
-                self.timeline,
-                self.sweep_plot,
-            ]
-        )
-        classed(self, "dplab-overlap-explorer")
-        self._use_link(first_link)
 
     # -- links ---------------------------------------------------------------------------------
 

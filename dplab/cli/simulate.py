@@ -55,8 +55,14 @@ def _fabric(args: argparse.Namespace) -> Fabric | None:
     """The fabric the options describe (a preset, or hardware), or None for a Link."""
     hw = {k: getattr(args, k) for k in HARDWARE if getattr(args, k) is not None}
     if args.preset is None and not hw:
-        if args.nodes is not None:
-            raise ValueError("--nodes needs a fabric: give --preset or --gpu")
+        given = {
+            "--nodes": args.nodes,
+            "--net-latency-us": args.net_latency_us,
+            "--nccl-tests-log": args.nccl_tests_log,
+        }
+        for flag, value in given.items():
+            if value is not None:
+                raise ValueError(f"{flag} needs a fabric: give --preset or --gpu")
         return None
     if args.link is not None or args.world_size is not None:
         raise ValueError(
@@ -64,9 +70,25 @@ def _fabric(args: argparse.Namespace) -> Fabric | None:
             "own ranks: use --nodes and --gpus-per-node"
         )
     nodes = 1 if args.nodes is None else args.nodes
+    if args.net_latency_us is not None:
+        hw["net_latency_us"] = args.net_latency_us
     if args.preset is not None:
-        return Fabric.preset(args.preset, nodes=nodes, **hw)
-    return Fabric.from_hardware(**hw, nodes=nodes)
+        fabric = Fabric.preset(args.preset, nodes=nodes, **hw)
+    else:
+        fabric = Fabric.from_hardware(**hw, nodes=nodes)
+    if args.nccl_tests_log is not None:
+        # fitted at the log's own node count, then carried to --nodes
+        fabric = fabric.calibrated_from(_read_log(args.nccl_tests_log))
+    return fabric
+
+
+def _read_log(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--nccl-tests-log: no file at {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"--nccl-tests-log {path!r} is a folder, not an nccl-tests log") from None
 
 
 def _profile(args: argparse.Namespace) -> BackwardProfile:
@@ -141,7 +163,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     print(format_metrics(trace))
     if fabric is not None:
-        picks = Counter("/".join(fabric.choice(b["nbytes"])) for b in trace.buckets)
+        picks = Counter("/".join(fabric.choice(b.nbytes)) for b in trace.buckets)
         print(
             "  NCCL algorithm/protocol per bucket (model): "
             + ", ".join(f"{k} × {v}" for k, v in picks.most_common())
@@ -180,6 +202,18 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--nics-per-node", type=int)
     f.add_argument("--nic-gbps", type=float, help="one NIC's line rate, Gb/s")
     f.add_argument("--network", choices=list(NETWORKS))
+    f.add_argument(
+        "--net-latency-us",
+        type=float,
+        help="the network's cost per inter-node hop, µs (no public source gives it for every "
+        "network; default: fitted to published runs on that network)",
+    )
+    f.add_argument(
+        "--nccl-tests-log",
+        metavar="FILE",
+        help="your cluster's all_reduce_perf output: the fabric's bandwidth, latency and "
+        "pipeline fill are fitted to it (at the log's node count) before simulating",
+    )
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="MiB")
     p.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="MiB")
     p.add_argument(

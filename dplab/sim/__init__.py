@@ -40,6 +40,7 @@ from dplab.sim.profile import (
     profile_from_ranks,
     profile_rank,
 )
+from dplab.sim.validation import BandError, validation_bands
 
 __all__ = [
     "FABRIC_PRESETS",
@@ -48,6 +49,7 @@ __all__ = [
     "PRESETS",
     "WORLD_SIZES",
     "BackwardProfile",
+    "BandError",
     "Calibration",
     "Contention",
     "Fabric",
@@ -70,6 +72,7 @@ __all__ = [
     "schedule",
     "simulate",
     "sweep",
+    "validation_bands",
     "verdict",
     "with_straggler",
 ]

@@ -11,6 +11,9 @@ per node and their speed, and the network kind. :mod:`dplab.sim.nccl_model` does
     fab.allreduce_s(64 * 2**20)          # seconds, NCCL's predicted-fastest algorithm
     fab.busbw_GBps(2**34, "ring")        # nccl-tests' busbw = algbw · 2(N−1)/N
     fab.choice(2**15)                    # ('tree', 'LL') at 128 ranks: latency wins
+    fab.calibrated_from(open("all_reduce_perf.log").read())  # your cluster's own constants
+
+How far to trust it, by message size: :func:`dplab.sim.validation_bands`.
 
 ``allreduce_s(nbytes, world_size)`` has a :class:`~dplab.sim.link.Link`'s signature, so a
 Fabric goes wherever the simulator takes a link; the world size is the fabric's own.
@@ -26,14 +29,15 @@ one NIC per GPU (DGX's rail-optimised design); NIC speed of the DGX of that gene
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
-from numbers import Real
 from typing import Any
 
+from dplab._checks import check_choice, check_nonneg, check_positive, check_positive_int
 from dplab.sim.contention import Contention
+from dplab.sim.fit import fit_constants, measured_points
+from dplab.sim.levels import Levels, LevelsModel
 from dplab.sim.nccl_model import (
     ALGORITHMS,
     DEFAULT_CALIBRATION,
@@ -44,7 +48,6 @@ from dplab.sim.nccl_model import (
     Calibration,
     Topology,
 )
-from dplab.sim.nccl_tests import NcclTestsRow, parse_nccl_tests
 from dplab.sim.profile import BackwardProfile
 
 GB = 1e9
@@ -83,7 +86,7 @@ def overlap_contention(slowdown: float = NCCL_OVERLAP_SLOWDOWN) -> Contention:
     of its speed while NCCL runs (default: the published average, :data:`NCCL_OVERLAP_SLOWDOWN`),
     the all-reduce unchanged. Pass it as ``simulate(..., fabric=f, contention=...)``."""
     return Contention(
-        compute_slowdown=_pos_num("slowdown", slowdown, zero_ok=True),
+        compute_slowdown=check_nonneg("slowdown", slowdown),
         probe={"source": "arXiv:2507.03114 (average compute slowdown under overlap)"}
         if slowdown == NCCL_OVERLAP_SLOWDOWN
         else {},
@@ -99,7 +102,7 @@ def with_straggler(profile: BackwardProfile, slower_by: float) -> BackwardProfil
     and its backward lasts that much longer; forward and optimizer are left as measured.
     Simulate the result to see how much of the delay the overlap absorbs.
     """
-    k = 1.0 + _pos_num("slower_by", slower_by, zero_ok=True)
+    k = 1.0 + check_nonneg("slower_by", slower_by)
     if k == 1.0:
         return profile
     return replace(
@@ -119,79 +122,48 @@ def busbw_from_time(nbytes: float, seconds: float, ranks: int) -> float:
     return nbytes / seconds / GB * 2 * (ranks - 1) / ranks
 
 
-def _pos_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return v
-
-
-def _pos_num(name: str, v: Any, *, zero_ok: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number, got {v!r}")
-    if v < 0 or (v == 0 and not zero_ok):
-        raise ValueError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {v!r}")
-    return float(v)
-
-
-def _choose(name: str, v: Any, options: Sequence[str]) -> str:
-    if not isinstance(v, str) or v.lower() not in options:
-        raise ValueError(f"{name} must be one of {', '.join(options)}; got {v!r}")
-    return v.lower()
+def _name(name: str, value: Any, options: Sequence[str]) -> str:
+    """``check_choice`` for names typed by people: ``"H100"`` is ``"h100"``."""
+    return check_choice(name, value.lower() if isinstance(value, str) else value, options)
 
 
 @dataclass(frozen=True)
-class Levels:
-    """Two measured α-β levels: ranks within a node (e.g. loopback) and the link between nodes.
+class NcclModel:
+    """NCCL's cost model (:class:`~dplab.sim.nccl_model.Topology`) in seconds."""
 
-    For clusters with no NCCL constants to borrow (gloo ranks in network namespaces joined by a
-    shaped link): α in seconds per message, β in seconds per byte, inter β per *node* link.
-    Ring: 2(N−1) steps, 2(nodes−1) of them across nodes, bus bandwidth min(1/β_intra, 1/β_inter)
-    (each node's link carries one ring crossing per channel); tree: 2((ppn−1)·α_intra +
-    log2(nodes)·α_inter) latency and half the bus bandwidth, twice that at 2 nodes (a 2-node
-    double binary tree sends each byte across once each way) — NCCL's tuning.cc structure with
-    measured numbers in place of its constants.
-    """
+    topology: Topology
 
-    intra_alpha_s: float
-    intra_beta_s_per_byte: float
-    inter_alpha_s: float
-    inter_beta_s_per_byte: float
+    def available(self) -> tuple[str, ...]:
+        return self.topology.available()
 
-    def time_s(self, nbytes: float, ppn: int, nodes: int, algorithm: str) -> float:
-        n = ppn * nodes
-        if n == 1:
-            return 0.0
-        ai, bi = self.intra_alpha_s, self.intra_beta_s_per_byte
-        ae, be = self.inter_alpha_s, self.inter_beta_s_per_byte if nodes > 1 else 0.0
-        if algorithm == "ring":
-            inter = 2 * (nodes - 1)
-            lat = (2 * (n - 1) - inter) * ai + inter * ae
-            return lat + 2 * (n - 1) / n * nbytes * max(bi, be)
-        if algorithm == "tree":
-            lat = 2 * ((ppn - 1) * ai + (nodes.bit_length() - 1) * ae)
-            beta = max(bi, be / 2 if nodes <= 2 else be)
-            return lat + nbytes * 2 * beta
-        raise ValueError(f"algorithm {algorithm!r} is not available on measured levels")
+    def best_s(self, nbytes: float, algorithm: str = "auto") -> tuple[str, str, float]:
+        """The fastest (algorithm, protocol, seconds); ``algorithm`` limits the choice."""
+        if self.topology.nranks == 1 or nbytes == 0:
+            return ("ring" if algorithm == "auto" else algorithm, "Simple", 0.0)
+        a, p, us = self.topology.best(nbytes, algorithm)
+        return a, p, us * 1e-6
 
 
 @dataclass(frozen=True)
 class Fabric:
     """A cluster for the all-reduce: see the module docstring; build with :meth:`from_hardware`,
-    :meth:`preset`, :meth:`fit` or :meth:`from_levels`.
+    :meth:`preset`, :meth:`fit` or :meth:`from_levels`, calibrate with :meth:`calibrated_from`.
 
     ``intra_GBps``: one GPU's one-way intra-node bandwidth as NCCL counts it (NVLinks × per-link
-    speed, or PCIe); ``nic_gbps``: one NIC's line rate in Gb/s.
+    speed, or PCIe); ``nic_gbps``: one NIC's line rate in Gb/s. A fabric has one cost model
+    (:attr:`cost_model`): NCCL's, from its hardware, or, when ``levels`` is given, two measured
+    α-β levels (:attr:`measured`); the hardware fields then only name it.
     """
 
     name: str
-    gpu: str
     gpus_per_node: int
     nodes: int
-    nics_per_node: int
-    nic_gbps: float
-    network: str
-    intra: str
-    intra_GBps: float
+    gpu: str = "measured"
+    nics_per_node: int = 1
+    nic_gbps: float = 0.0
+    network: str = "measured"
+    intra: str = "measured"
+    intra_GBps: float = 0.0
     cpu: str = "intel"
     calibration: Calibration = DEFAULT_CALIBRATION
     levels: Levels | None = None
@@ -201,17 +173,17 @@ class Fabric:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a fabric needs a name, got {self.name!r}")
-        _pos_int("gpus_per_node", self.gpus_per_node)
-        _pos_int("nodes", self.nodes)
-        if self.levels is None:
-            _choose("gpu", self.gpu, tuple(GPUS))
-            _choose("network", self.network, NETWORKS)
-            _choose("intra", self.intra, INTRA)
-            _choose("cpu", self.cpu, ("intel", "amd"))
+        check_positive_int("gpus_per_node", self.gpus_per_node)
+        check_positive_int("nodes", self.nodes)
+        if not self.measured:
+            _name("gpu", self.gpu, tuple(GPUS))
+            _name("network", self.network, NETWORKS)
+            _name("intra", self.intra, INTRA)
+            _name("cpu", self.cpu, ("intel", "amd"))
             if self.nodes > 1:
-                _pos_int("nics_per_node", self.nics_per_node)
-                _pos_num("nic_gbps", self.nic_gbps)
-            _pos_num("intra_GBps", self.intra_GBps)
+                check_positive_int("nics_per_node", self.nics_per_node)
+                check_positive("nic_gbps", self.nic_gbps)
+            check_positive("intra_GBps", self.intra_GBps)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -228,6 +200,7 @@ class Fabric:
         pcie_GBps: float | None = None,
         cpu: str = "intel",
         calibration: Calibration = DEFAULT_CALIBRATION,
+        net_latency_us: float | None = None,
         name: str | None = None,
         source: str = "",
     ) -> Fabric:
@@ -235,30 +208,43 @@ class Fabric:
 
         ``intra``: ``nvswitch`` (all GPUs of a node on NVSwitches: NVLS possible from Hopper),
         ``nvlink`` (direct NVLink, as V100's cube-mesh) or ``pcie`` (``pcie_GBps`` per GPU,
-        default NCCL's Gen3 x16 12 GB/s). ``network``: ib, roce, efa or tcp; its latency is the
-        calibration's ``net_latency_us``.
+        default NCCL's Gen3 x16 12 GB/s). ``network``: ib, roce, efa or tcp. ``net_latency_us``:
+        the network's cost per inter-node hop, µs, when you know it (NCCL's source does not
+        give it; default the calibration's, fitted to published runs on that network).
         """
-        g = _choose("gpu", gpu, tuple(GPUS))
+        g = _name("gpu", gpu, tuple(GPUS))
         spec = GPUS[g]
-        ppn = (
-            spec.gpus_per_node
-            if gpus_per_node is None
-            else _pos_int("gpus_per_node", gpus_per_node)
-        )
-        nodes = _pos_int("nodes", nodes)
-        nics = ppn if nics_per_node is None else _pos_int("nics_per_node", nics_per_node)
-        gbps = spec.nic_gbps if nic_gbps is None else _pos_num("nic_gbps", nic_gbps)
-        kind = spec.intra if intra is None else _choose("intra", intra, INTRA)
+        ppn = spec.gpus_per_node if gpus_per_node is None else gpus_per_node
+        ppn = check_positive_int("gpus_per_node", ppn)
+        nodes = check_positive_int("nodes", nodes)
+        nics = ppn if nics_per_node is None else check_positive_int("nics_per_node", nics_per_node)
+        gbps = spec.nic_gbps if nic_gbps is None else check_positive("nic_gbps", nic_gbps)
+        kind = spec.intra if intra is None else _name("intra", intra, INTRA)
+        net = _name("network", network, NETWORKS)
         if kind == "pcie":
-            intra_bw = PCI_BW if pcie_GBps is None else _pos_num("pcie_GBps", pcie_GBps)
+            intra_bw = PCI_BW if pcie_GBps is None else check_positive("pcie_GBps", pcie_GBps)
         else:
             intra_bw = spec.nvlinks * NVLINK_BW_PER_LINK[spec.gen]
+        if net_latency_us is not None:
+            lat = check_nonneg("net_latency_us", net_latency_us)
+            calibration = calibration.with_(net_latency_us={**calibration.net_latency_us, net: lat})
         label = name or (
-            f"{ppn}×{g}"
-            + (f" × {nodes} nodes, {nics}×{gbps:g} Gb/s {network}" if nodes > 1 else "")
+            f"{ppn}×{g}" + (f" × {nodes} nodes, {nics}×{gbps:g} Gb/s {net}" if nodes > 1 else "")
         )
-        return cls(label, g, ppn, nodes, nics, gbps, _choose("network", network, NETWORKS),
-                   kind, intra_bw, cpu, calibration, None, source)  # fmt: skip
+        return cls(
+            name=label,
+            gpu=g,
+            gpus_per_node=ppn,
+            nodes=nodes,
+            nics_per_node=nics,
+            nic_gbps=gbps,
+            network=net,
+            intra=kind,
+            intra_GBps=intra_bw,
+            cpu=cpu,
+            calibration=calibration,
+            source=source,
+        )
 
     @classmethod
     def from_levels(
@@ -281,29 +267,31 @@ class Fabric:
         if link_mbit is not None:
             if inter_beta_s_per_byte:
                 raise ValueError("give inter_beta_s_per_byte or link_mbit, not both")
-            inter_beta_s_per_byte = 8 / (_pos_num("link_mbit", link_mbit) * 1e6)
-        lv = Levels(
-            _pos_num("intra_alpha_s", intra_alpha_s, zero_ok=True),
-            _pos_num("intra_beta_s_per_byte", intra_beta_s_per_byte),
-            _pos_num("inter_alpha_s", inter_alpha_s, zero_ok=True),
-            _pos_num("inter_beta_s_per_byte", inter_beta_s_per_byte, zero_ok=nodes == 1),
+            inter_beta_s_per_byte = 8 / (check_positive("link_mbit", link_mbit) * 1e6)
+        inter_beta = (check_nonneg if nodes == 1 else check_positive)(
+            "inter_beta_s_per_byte", inter_beta_s_per_byte
         )
-        return cls(name, "measured", gpus_per_node, nodes, 1, 0.0, "measured", "measured", 0.0,
-                   levels=lv, source=source)  # fmt: skip
+        lv = Levels(
+            intra_alpha_s=check_nonneg("intra_alpha_s", intra_alpha_s),
+            intra_beta_s_per_byte=check_positive("intra_beta_s_per_byte", intra_beta_s_per_byte),
+            inter_alpha_s=check_nonneg("inter_alpha_s", inter_alpha_s),
+            inter_beta_s_per_byte=inter_beta,
+        )
+        return cls(name=name, gpus_per_node=gpus_per_node, nodes=nodes, levels=lv, source=source)
 
     @classmethod
     def preset(cls, name: str, *, nodes: int = 1, **overrides: Any) -> Fabric:
         """A common machine (:data:`PRESETS`) at ``nodes`` nodes; ``overrides`` go to
-        :meth:`from_hardware` (e.g. ``nic_gbps=``)."""
+        :meth:`from_hardware` (e.g. ``nic_gbps=``, ``net_latency_us=``)."""
         if name not in PRESETS:
             raise ValueError(f"unknown fabric preset {name!r}; choose from {', '.join(PRESETS)}")
         kw, src = PRESETS[name]
-        return cls.from_hardware(**{**kw, "nodes": nodes, **overrides}, name=f"{name} × {nodes}",
-                                 source=src)  # fmt: skip
+        kw = {**kw, "nodes": nodes, **overrides}
+        return cls.from_hardware(**kw, name=f"{name} × {nodes}", source=src)
 
     def with_nodes(self, nodes: int) -> Fabric:
         """The same machines, ``nodes`` of them."""
-        return replace(self, nodes=_pos_int("nodes", nodes), _cache={})
+        return replace(self, nodes=check_positive_int("nodes", nodes), _cache={})
 
     def with_calibration(self, calibration: Calibration) -> Fabric:
         return replace(self, calibration=calibration, _cache={})
@@ -313,8 +301,23 @@ class Fabric:
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    @property
+    def measured(self) -> bool:
+        """True: timed by two measured α-β :class:`Levels`; False: by NCCL's cost model."""
+        return self.levels is not None
+
+    @cached_property
+    def cost_model(self) -> LevelsModel | NcclModel:
+        """The one cost model this fabric times all-reduces with (see :attr:`measured`)."""
+        if self.levels is not None:
+            return LevelsModel(self.levels, self.gpus_per_node, self.nodes)
+        return NcclModel(self.topology)
+
     @cached_property
     def topology(self) -> Topology:
+        """What NCCL's tuner knows about this hardware (a measured fabric has none)."""
+        if self.measured:
+            raise ValueError(f"{self.name} is timed by measured levels: it has no NCCL topology")
         g = GPUS[self.gpu]
         return Topology(
             gen=g.gen,
@@ -343,39 +346,22 @@ class Fabric:
         return PROTOCOLS
 
     def algorithms(self) -> tuple[str, ...]:
-        """The algorithms NCCL would enable here (NVLS: NVSwitch, Hopper+, one node; NVLS-tree:
-        the same, several nodes)."""
-        if self.levels is not None:
-            return ("ring", "tree")
-        return self.topology.available()
+        """The algorithms this fabric's cost model offers (NCCL: NVLS needs NVSwitch and Hopper+
+        on one node; NVLS-tree the same on several)."""
+        return self.cost_model.available()
 
     def choice(self, nbytes: float, algorithm: str = "auto") -> tuple[str, str]:
         """(algorithm, protocol) the model predicts fastest for ``nbytes`` (NCCL's rule)."""
         return self._best(nbytes, algorithm)[:2]
 
     def _best(self, nbytes: float, algorithm: str) -> tuple[str, str, float]:
-        s = _pos_num("nbytes", nbytes, zero_ok=True)
-        a = _choose("algorithm", algorithm, ("auto", *ALGORITHMS))
-        key = (s, a)
+        key = (check_nonneg("nbytes", nbytes), _name("algorithm", algorithm, ("auto", *ALGORITHMS)))
         hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        if self.levels is not None:
-            opts = ("ring", "tree") if a == "auto" else (a,)
-            if a not in ("auto", "ring", "tree"):
-                raise ValueError(f"algorithm {algorithm!r} is not available on {self.name}: "
-                                 "measured levels have ring and tree")  # fmt: skip
-            times = {o: self.levels.time_s(s, self.gpus_per_node, self.nodes, o) for o in opts}
-            best_a = min(times, key=times.__getitem__)
-            out = (best_a, "measured", times[best_a])
-        elif self.world_size == 1 or s == 0:
-            out = ("ring" if a == "auto" else a, "Simple", 0.0)
-        else:
-            a2, p, us = self.topology.best(s, a)
-            out = (a2, p, us * 1e-6)
-        if len(self._cache) < 4096:
-            self._cache[key] = out
-        return out
+        if hit is None:
+            hit = self.cost_model.best_s(*key)
+            if len(self._cache) < 4096:
+                self._cache[key] = hit
+        return hit
 
     def allreduce_s(
         self, nbytes: float, world_size: int | None = None, *, algorithm: str = "auto"
@@ -387,8 +373,10 @@ class Fabric:
         """
         if world_size is not None and world_size != self.world_size:
             if isinstance(world_size, str):
-                raise ValueError(f"world_size {world_size!r} is not a number; pass "
-                                 f"algorithm={world_size!r} by name")  # fmt: skip
+                raise ValueError(
+                    f"world_size {world_size!r} is not a number; pass algorithm={world_size!r} "
+                    "by name"
+                )
             raise ValueError(
                 f"world_size {world_size!r} does not match the fabric {self.name!r} "
                 f"({self.gpus_per_node} × {self.nodes} = {self.world_size} ranks); use "
@@ -405,20 +393,22 @@ class Fabric:
 
     # -- what the simulator prints and saves ------------------------------------------------
     def describe(self) -> str:
-        if self.levels is not None:
+        if self.levels is not None:  # narrows the type: self.measured
             lv = self.levels
-            return (f"{self.name}: {self.gpus_per_node} ranks/node × {self.nodes} nodes, intra "
-                    f"α {lv.intra_alpha_s * 1e6:.3g} µs, {1e-9 / lv.intra_beta_s_per_byte:.3g} "
-                    f"GB/s; inter α {lv.inter_alpha_s * 1e6:.3g} µs")  # fmt: skip
+            return (
+                f"{self.name}: {self.gpus_per_node} ranks/node × {self.nodes} nodes, intra "
+                f"α {lv.intra_alpha_s * 1e6:.3g} µs, {1e-9 / lv.intra_beta_s_per_byte:.3g} GB/s;"
+                f" inter α {lv.inter_alpha_s * 1e6:.3g} µs"
+            )
+        nics = (
+            f"; {self.nics_per_node} × {self.nic_gbps:g} Gb/s {self.network} per node"
+            if self.nodes > 1
+            else ""
+        )
         return (
             f"{self.name}: {self.world_size:,} × {self.gpu.upper()} ({self.gpus_per_node}/node, "
-            f"{self.intra} {self.intra_GBps:.0f} GB/s per GPU"
-            + (
-                f"; {self.nics_per_node} × {self.nic_gbps:g} Gb/s {self.network} per node"
-                if self.nodes > 1
-                else ""
-            )
-            + f"), NCCL algorithms: {', '.join(self.algorithms())}"
+            f"{self.intra} {self.intra_GBps:.0f} GB/s per GPU{nics}), NCCL algorithms: "
+            f"{', '.join(self.algorithms())}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -443,122 +433,48 @@ class Fabric:
         algorithm: str = "auto",
         **hardware: Any,
     ) -> Fabric:
-        """This hardware, with the bandwidth and latency scales that best fit measured times.
-
-        ``data``: nccl-tests ``all_reduce_perf`` output (text, as printed), or rows of
-        ``python -m dplab bandwidth`` (its JSON report, or its rows: ``size_bytes``,
-        ``time_s``, ``algorithm == "all_reduce"``). Fitted: one factor on every bandwidth of
-        the model and one on every latency, minimising the squared log error of time over all
-        rows (so a 10 µs row counts as much as a 10 s one). The fabric's rank count must be the
-        run's: it is checked against the log's ``# Rank`` lines or the rows' ``world_size``.
-        """
-        base = cls.from_hardware(gpu, gpus_per_node, nodes, nics_per_node, nic_gbps, network,
-                                 **hardware)  # fmt: skip
-        points, ranks = _measured_points(data)
+        """This hardware, with its constants fitted to measured times (see
+        :meth:`calibrated_from`). The fabric's rank count must be the run's: it is checked
+        against the log's ``# Rank`` lines or the rows' ``world_size``."""
+        base = cls.from_hardware(
+            gpu, gpus_per_node, nodes, nics_per_node, nic_gbps, network, **hardware
+        )
+        points, ranks = measured_points(data)
         if ranks is not None and ranks != base.world_size:
             raise ValueError(
                 f"the measurements are from {ranks} ranks but the fabric has "
                 f"{base.world_size} ({base.gpus_per_node} × {base.nodes}): set gpus_per_node/nodes"
             )
-        cal0 = base.calibration
+        return fit_constants(base, points, algorithm)
 
-        def err(x: Sequence[float]) -> float:
-            cal = cal0.with_(
-                bw_efficiency=min(2.0, cal0.bw_efficiency * x[0]),
-                nvls_efficiency=min(2.0, cal0.nvls_efficiency * x[0]),
-                latency_scale=cal0.latency_scale * x[1],
-            )
-            f = base.with_calibration(cal)
-            return sum(math.log(f.allreduce_s(b, algorithm=algorithm) / t) ** 2 for b, t in points)
+    def calibrated_from(
+        self, data: str | Iterable[Any] | Mapping[str, Any], *, algorithm: str = "auto"
+    ) -> Fabric:
+        """This fabric with its constants fitted to your own measurements of it.
 
-        x = minimize_log(err, [1.0, 1.0], bounds=[(0.05, 2.0 / max(cal0.bw_efficiency,
-                                                                   cal0.nvls_efficiency)),
-                                                   (0.02, 50.0)])  # fmt: skip
-        cal = cal0.with_(
-            bw_efficiency=cal0.bw_efficiency * x[0],
-            nvls_efficiency=cal0.nvls_efficiency * x[0],
-            latency_scale=cal0.latency_scale * x[1],
-        )
-        return replace(base.with_calibration(cal), name=f"{base.name} (fitted)",
-                       source=f"fit to {len(points)} measured sizes: bandwidth × {x[0]:.3g}, "
-                              f"latency × {x[1]:.3g}")  # fmt: skip
+        ``data``: nccl-tests ``all_reduce_perf`` output (text, as printed), or rows of
+        ``python -m dplab bandwidth`` (its JSON report, or its rows: ``size_bytes``,
+        ``time_s``, ``algorithm == "all_reduce"``). Fitted, minimising the squared log error of
+        time over the rows (a 10 µs row counts as much as a 10 s one): one factor on every
+        bandwidth and one on every latency (two rows or more; one row: the factor its size
+        depends on), and from three rows the pipeline fill (``fill_slices``), which shapes
+        the mid sizes between the latency floor and the bandwidth plateau.
 
-
-def _measured_points(data: Any) -> tuple[list[tuple[float, float]], int | None]:
-    """(bytes, seconds) pairs and the rank count, from nccl-tests text or dplab bandwidth rows."""
-    if isinstance(data, str):
-        run = parse_nccl_tests(data)
-        pts = [(float(r.bytes), r.time_us * 1e-6) for r in run.rows if r.bytes > 0]
-        ranks = run.ranks
-    else:
-        rows = data.get("rows") if isinstance(data, Mapping) else data
-        if rows is None:
-            raise ValueError("a bandwidth report needs 'rows'")
-        pts, sizes = [], set()
-        for i, r in enumerate(rows):
-            if isinstance(r, NcclTestsRow):
-                r = {"size_bytes": r.bytes, "time_s": r.time_us * 1e-6}
-            elif hasattr(r, "to_dict"):
-                r = r.to_dict()
-            if not isinstance(r, Mapping) or "size_bytes" not in r or "time_s" not in r:
-                raise ValueError(f"row {i} needs size_bytes and time_s, got {r!r}")
-            if r.get("algorithm", "all_reduce") != "all_reduce":
-                continue
-            if "world_size" in r:
-                sizes.add(r["world_size"])
-            pts.append((float(r["size_bytes"]), float(r["time_s"])))
-        if len(sizes) > 1:
-            raise ValueError(f"rows mix world sizes {sorted(sizes)}: fit one at a time")
-        ranks = sizes.pop() if sizes else None
-    pts = [(b, t) for b, t in pts if b > 0]
-    for b, t in pts:
-        if not (t > 0 and math.isfinite(t)):
-            raise ValueError(f"a measured time must be > 0 s, got {t!r} at {b:g} bytes")
-    if len(pts) < 2:
-        raise ValueError(f"need at least 2 measured sizes to fit, got {len(pts)}")
-    return pts, ranks
-
-
-def minimize_log(
-    f: Any, x0: Sequence[float], *, bounds: Sequence[tuple[float, float]], sweeps: int = 8
-) -> list[float]:
-    """Minimise ``f`` over positive parameters by coordinate-wise golden-section search in
-    log space. Deterministic and dependency-free: the models here are piecewise smooth (a min
-    over algorithms), where a coarse scan then a golden refinement is robust."""
-    x = [min(max(v, lo), hi) for v, (lo, hi) in zip(x0, bounds, strict=True)]
-    g = (math.sqrt(5) - 1) / 2
-    for sweep in range(sweeps):
-        for i, (lo, hi) in enumerate(bounds):
-            a, b = math.log(lo), math.log(hi)
-
-            def at(u: float, i: int = i) -> float:
-                y = list(x)
-                y[i] = math.exp(u)
-                return f(y)
-
-            if sweep == 0:  # a coarse scan finds the right basin
-                grid = [a + (b - a) * k / 24 for k in range(25)]
-                k = min(range(25), key=lambda k: at(grid[k]))
-                a, b = grid[max(0, k - 1)], grid[min(24, k + 1)]
-            else:
-                u = math.log(x[i])
-                w = (b - a) / 4**sweep
-                a, b = max(a, u - w), min(b, u + w)
-            c, d = b - g * (b - a), a + g * (b - a)
-            fc, fd = at(c), at(d)
-            for _ in range(40):
-                if fc < fd:
-                    b, d, fd = d, c, fc
-                    c = b - g * (b - a)
-                    fc = at(c)
-                else:
-                    a, c, fc = c, d, fd
-                    d = a + g * (b - a)
-                    fd = at(d)
-            u = (a + b) / 2
-            if at(u) <= f(x):
-                x[i] = math.exp(u)
-    return x
+        A log from fewer nodes than this fabric (its ``# Rank`` lines count the ranks) is fitted
+        at the log's node count, and the fitted constants carried to this one: calibrate on
+        2 nodes, predict 16.
+        """
+        points, ranks = measured_points(data, minimum=1)
+        at = self
+        if ranks is not None and ranks != self.world_size:
+            if ranks % self.gpus_per_node:
+                raise ValueError(
+                    f"the measurements are from {ranks} ranks, not a whole number of "
+                    f"{self.gpus_per_node}-GPU nodes of {self.name}"
+                )
+            at = self.with_nodes(ranks // self.gpus_per_node)
+        fitted = fit_constants(at, points, algorithm)
+        return replace(fitted, nodes=self.nodes, _cache={})
 
 
 # name → (from_hardware arguments, source)

@@ -27,9 +27,12 @@ runs in ``assets/data/nccl-tests-published.json``, never per row:
 - ``bw_efficiency``: achieved / modelled bandwidth of ring and tree;
 - ``nvls_efficiency``: the same for NVLS and NVLS-tree (NCCL's model puts H100 NVLS near
   590 GB/s bus bandwidth; nccl-tests measure about 480);
-- ``fill_slices``: a pipeline-fill term, the time of this many NCCL Simple slices
-  (1 MiB: buffSize 4 MiB / NCCL_STEPS 8 × ALLREDUCE_SLICESTEPS 2) at one channel's speed, which
-  is why bus bandwidth reaches its plateau only at hundreds of MiB;
+- ``fill_slices``: a pipeline-fill term, which is why bus bandwidth reaches its plateau only at
+  hundreds of MiB: for a ring, the time of this many NCCL Simple slices (1 MiB: buffSize 4 MiB /
+  NCCL_STEPS 8 × ALLREDUCE_SLICESTEPS 2) at one channel's speed; for a tree, this many times a
+  one-step chunk's (512 KiB) trip up the tree and back down, each hop at its own speed (NVLink
+  inside a node, the network between) — the fill NCCL's ``latency + bytes / bandwidth`` leaves
+  out, and what most separates a 2-node tree's mid sizes (1–64 MiB) from its plateau;
 - per network kind, the inter-node latency NCCL gets from its network plugin
   (``graph->latencyInter``), which the source does not fix.
 
@@ -125,7 +128,15 @@ NET_BW_PER_100GBIT = 12.0  # GB/s NCCL counts for a 100 Gb/s NIC (0.96 of the li
 SPEED_INTRA_MAX = {"volta": 40.0, "ampere": 40.0, "hopper": 60.0, "blackwell": 90.0}
 SPEED_INTER_MAX = {"volta": 48.0, "ampere": 48.0, "hopper": 48.0, "blackwell": 96.0}
 NVLS_CHANNELS = {"hopper": 16, "blackwell": 24}  # one node; Blackwell multi-node: 32
-SIMPLE_SLICE_BYTES = (1 << 22) // 8 * 2  # buffSize / NCCL_STEPS × ALLREDUCE_SLICESTEPS
+# Simple's pipeline granularity: one step is DEFAULT_BUFFSIZE 4 MiB (init.cc) / NCCL_STEPS 8
+# (include/device.h); a ring moves slices of ALLREDUCE_SLICESTEPS = 2 steps (collectives.h), a
+# tree chunks of one step (enqueue.cc calcCollChunking: chunkSteps = 1 off the ring)
+SIMPLE_STEP_BYTES = (1 << 22) // 8
+SIMPLE_SLICE_BYTES = SIMPLE_STEP_BYTES * 2
+# What NCCL adds per network hop from its own plugins: ``props->latency = 0; // Not set`` in
+# src/transport/net_ib/init.cc and net_socket.cc (graph->latencyInter is that value). A vendor
+# plugin (aws-ofi-nccl for EFA) may set its own; the real hop cost has to be measured.
+NCCL_NET_LATENCY_US = {"ib": 0.0, "roce": 0.0, "efa": 0.0, "tcp": 0.0}
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ class Calibration:
     fill_slices: float = 1.46
     latency_scale: float = 1.0
     net_latency_us: dict[str, float] = field(
-        default_factory=lambda: {"ib": 26.6, "roce": 26.6, "efa": 19.5, "tcp": 50.0}
+        default_factory=lambda: {"ib": 26.6, "roce": 26.6, "efa": 19.1, "tcp": 50.0}
     )
 
     def __post_init__(self) -> None:
@@ -223,9 +234,17 @@ class Topology:
             lat *= 1.9 if self.gen == "volta" else 1.4  # the ring's "plateau effect"
         t = lat + nbytes / (1e3 * bw)
         if protocol == "Simple" and self.calibration.fill_slices:
-            # pipeline fill: the first slices cross the channel before it streams
-            per_ch = nbytes / max(1, self._ring_channels)
-            t += self.calibration.fill_slices * min(per_ch, SIMPLE_SLICE_BYTES) / (1e3 * ch_bw)
+            # pipeline fill: the first chunk crosses the pipeline before it streams
+            if algorithm == "tree":
+                nch, us_per_byte = self._tree_fill
+                t += (
+                    self.calibration.fill_slices
+                    * min(nbytes / nch, SIMPLE_STEP_BYTES)
+                    * us_per_byte
+                )
+            else:
+                per_ch = nbytes / max(1, self._ring_channels)
+                t += self.calibration.fill_slices * min(per_ch, SIMPLE_SLICE_BYTES) / (1e3 * ch_bw)
         return t
 
     def best(self, nbytes: float, algorithm: str = "auto") -> tuple[str, str, float]:
@@ -243,6 +262,18 @@ class Topology:
                 f"available: {', '.join(self.available())}"
             )
         return best
+
+    @cached_property
+    def _tree_fill(self) -> tuple[int, float]:
+        """(tree channels, µs per byte of chunk) for the tree's pipeline fill: a chunk climbs
+        the tree and comes back down before the tree streams, 2·((ppn−1) + log2(nodes)) hops,
+        the hops of NCCL's own tree latency (tuning.cc); the ppn−1 chain hops inside a node at
+        one channel's NVLink (or PCI) speed, the log2(nodes) network hops at one channel's
+        network speed."""
+        nch = _channels(self, "tree")[0]
+        ch_bw = self.table[("tree", "Simple")][2]
+        intra_ch = self.intra_bw / nch * self.calibration.bw_efficiency
+        return nch, 2 * ((self.ppn - 1) / intra_ch + _log2i(self.nodes) / ch_bw) / 1e3
 
     @cached_property
     def _ring_channels(self) -> int:

@@ -6,255 +6,145 @@ ends, just before torch's reducer copies it into its bucket; the compute times a
 fits the job's own all-reduce cost to the trace's collectives, and asks
 :func:`dplab.sim.simulate` what the step would look like at other caps.
 
-How the numbers are read:
+How the numbers are read (the trace-side pieces live in :mod:`dplab.sim.from_trace` and
+:mod:`dplab.sim.straggler`):
 
 - a step's **exposure** is that of the rank whose backward ended last: the step cannot finish
   before that rank's gradients are reduced, and what a faster rank sees beyond it is waiting for
-  the slower one (skew), which no bucket cap removes;
-- the **link** is fitted to the trace's own all-reduces, each timed from the moment its last
-  rank started it to the first end (so skew does not count as transfer time), by least squares
-  on the ring model ``t = 2(N−1)·α + 2(N−1)/N·S·β``; when the buckets are all about one size
-  the two terms cannot be told apart, and a prior link's α:β is scaled to the trace instead;
-- the **uncertainty** is the spread of the prediction over the profiled steps (one profile per
-  step, slowest rank per gradient), and the model's miss at the job's *own* cap (predicted vs
-  measured exposure): a predicted gain smaller than both is not a reason to change the cap.
+  the slower one (skew), which no bucket cap removes. The rank that waits *least* is the
+  **straggler** (:func:`find_straggler`): the others' extra wait is how far behind it is;
+- each all-reduce costs what that last rank paid for it (:func:`service_times`: from when it
+  could begin, its launch or the end of the one before it on the same gloo thread, to its end;
+  thread wake-ups on a busy machine included), **quiet** when every backward had ended, **busy**
+  when some backward was still computing. Where compute and communication share the CPU cores
+  (gloo), a busy all-reduce waits for a core: its median ratio to the quiet link is the
+  **contention** (:func:`fit_contention`), and the what-if runs each all-reduce at the busy cost
+  while backward computes, on as many threads as the trace shows (gloo runs two);
+- the **link** is fitted to the quiet all-reduces by least squares on the ring model
+  ``t = 2(N−1)·α + 2(N−1)/N·S·β``. At torch's default cap the quiet ones are all one size (the
+  last bucket), which cannot tell per-message latency from per-byte cost, and at a much
+  smaller cap that split decides the prediction (measured on this 2-core box: a quiet 64 KiB
+  all-reduce can cost as much as a 2 MiB one when the machine is loaded, and a fifth of it when
+  not). Then the doctor predicts with two links (:func:`job_links`), a prior's α:β scaled to the
+  trace and one all latency, reports their mean and carries their range into its interval;
+- the **uncertainty** is what a re-run would see. Each step's prediction at the job's own cap
+  is set against that step's measured exposure: the median miss and the spread of one step
+  (a standard deviation: a loaded machine's steps have heavy tails, which a re-run has too). A
+  re-run measures the median of as many steps, so the realized gain (this trace's measured
+  exposure minus the re-run's) gets an interval: the prediction there, ± 1.645 standard errors
+  of that median, ± the miss, ± half the two links' range (:meth:`Diagnosis.interval_at`);
+- the doctor **advises** a cap only when the model reproduces the job's own cap (miss within
+  30%, 1 ms or the noise) and the whole interval is a gain; otherwise it says why it does not.
 
-On CPU (gloo) the trace's all-reduces were timed while backward ran beside them, so the fitted
-link is a busy machine's and overlap in the what-if is free; on GPU (NCCL) both are the usual
-model. The simulator has one communication lane (NCCL's stream); gloo runs two threads.
+On GPU (NCCL) nothing busy is slowed by sharing cores (its contention factor comes out near 1)
+and NCCL runs one stream, so the what-if has one lane.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dplab.sim import (
-    PRESETS,
-    BackwardProfile,
-    Link,
-    candidate_caps,
-    get_link,
-    loopback_link,
-    plan_buckets,
-    profile_from_ranks,
-    simulate,
+from dplab._units import MIB
+from dplab.ddp.buckets import (
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_FIRST_BUCKET_CAP_MB,
+    torch_first_bucket_cap,
 )
-from dplab.trace import StepTrace
+from dplab.sim.contention import Contention
+from dplab.sim.engine import candidate_caps, plan_buckets
+from dplab.sim.from_trace import (
+    MEDIAN_SE,
+    BucketRow,
+    Collective,
+    StepRow,
+    bucket_rows,
+    by_step,
+    collective_samples,
+    collectives,
+    fit_contention,
+    fit_link,
+    job_link,
+    job_links,
+    measured_steps,
+    prior_link,
+    profile_from_trace,
+    service_times,
+    simulate_lanes,
+)
+from dplab.sim.link import Link, get_link
+from dplab.sim.profile import BackwardProfile
+from dplab.sim.straggler import Straggler, find_straggler
 from dplab.trace.profiler import from_profiler
+from dplab.trace.step import StepTrace
 
-MIB = 1024 * 1024
-TORCH_DEFAULT_CAP_MB = 25.0
-TORCH_FIRST_BUCKET_MB = 1.0
+__all__ = [
+    "BucketRow",
+    "CapRow",
+    "Collective",
+    "Diagnosis",
+    "Spread",
+    "StepRow",
+    "Straggler",
+    "collective_samples",
+    "collectives",
+    "consistent_with_default",
+    "diagnose",
+    "find_straggler",
+    "first_cap",
+    "fit_contention",
+    "fit_link",
+    "infer_cap",
+    "job_link",
+    "job_links",
+    "measured_steps",
+    "prior_link",
+    "profile_from_trace",
+    "service_times",
+    "simulate_lanes",
+]
 
+# torch's first bucket for DistributedDataParallel(bucket_cap_mb=cap): 1 MiB only when the cap
+# is left at its default (None), else the cap itself. Every cap the doctor advises is explicit.
+first_cap = torch_first_bucket_cap
 
-def first_cap(cap_mb: float | None) -> float:
-    """torch's first bucket for ``DistributedDataParallel(bucket_cap_mb=cap_mb)``.
-
-    torch 2.13 (``_BucketCapacityConfig`` in torch/nn/parallel/distributed.py) gives the first
-    bucket 1 MiB only when ``bucket_cap_mb`` is left at its default (None, meaning 25 MiB); a
-    cap passed explicitly is the first bucket's cap too. Every cap the doctor recommends is one
-    to pass explicitly.
-    """
-    return TORCH_FIRST_BUCKET_MB if cap_mb is None else cap_mb
-
-
-# -- the trace as a profile --------------------------------------------------------------------
-
-
-def _common_steps(runs: Sequence[Sequence[StepTrace]]) -> list[int]:
-    if not runs or not all(runs):
-        raise ValueError("no profiled steps to diagnose")
-    common = set.intersection(*({s.step for s in rank} for rank in runs))
-    if not common:
-        raise ValueError("the ranks' traces share no ProfilerStep number")
-    return sorted(common)
-
-
-def _by_step(runs: Sequence[Sequence[StepTrace]]) -> dict[int, list[StepTrace]]:
-    steps = _common_steps(runs)
-    table = {n: [] for n in steps}
-    for rank in runs:
-        for s in rank:
-            if s.step in table:
-                table[s.step].append(s)
-    return table
-
-
-def _sample(trace: StepTrace) -> dict[str, Any]:
-    """One rank's step in the shape :func:`dplab.sim.profile_from_ranks` takes."""
-    grads = trace.meta.get("grads") or []
-    if not grads or any(g.get("nbytes") is None for g in grads):
-        raise ValueError(
-            f"rank {trace.rank}, step {trace.step}: gradient sizes were not recorded (profile "
-            "with record_shapes=True, so that each reducer::mul_out carries its gradient's shape)"
-        )
-    backward = trace.of("backward")[-1]
-    optimizer = trace.of("optimizer")
-    return {
-        "forward_ms": backward.start_ms,
-        "backward_start_ms": backward.start_ms,
-        "backward_ms": backward.duration_ms,
-        "optimizer_ms": optimizer[-1].duration_ms if optimizer else 0.0,
-        # registration order is taken as the reverse of the ready order, so that the simulator
-        # (which buckets in reverse registration order) walks the gradients as they came
-        "ready_ms": [g["ready_ms"] for g in reversed(grads)],
-    }
-
-
-def _params(trace: StepTrace) -> list[dict[str, Any]]:
-    """The gradients as profile parameters, in (taken) registration order: reverse ready order."""
-    grads = trace.meta["grads"]
-    # buckets list their gradients in ready order, bucket 0 first
-    members = [n for b in trace.buckets for n in b.get("param_names", [])]
-    names = members if len(members) == len(grads) else [f"grad {k}" for k in range(len(grads))]
-    return [
-        {
-            "name": names[k],
-            "numel": int(grads[k]["numel"]),
-            "nbytes": int(grads[k]["nbytes"]),
-            "dtype": str(grads[k]["dtype"]),
-        }
-        for k in reversed(range(len(grads)))
-    ]
-
-
-def profile_from_trace(
-    runs: Sequence[Sequence[StepTrace]], *, steps: Sequence[int] | None = None, model: str = "job"
-) -> BackwardProfile:
-    """The job's compute as a :class:`BackwardProfile`: per step the slowest rank per gradient,
-    then medians over steps (``steps``: which ProfilerStep numbers; default all common ones)."""
-    table = _by_step(runs)
-    chosen = list(table) if steps is None else [n for n in steps if n in table]
-    if not chosen:
-        raise ValueError(f"none of the steps {list(steps or [])} is in the trace ({list(table)})")
-    first = table[chosen[0]][0]
-    params = _params(first)
-    shape = [(p["numel"], p["dtype"]) for p in params]
-    results = []
-    for r in range(len(table[chosen[0]])):
-        samples = []
-        for n in chosen:
-            trace = table[n][r]
-            if [(p["numel"], p["dtype"]) for p in _params(trace)] != shape:
-                raise ValueError(
-                    f"rank {trace.rank}, step {n}: its gradients differ (in number, size or "
-                    f"order) from rank {first.rank}, step {first.step}'s: not one static model"
-                )
-            samples.append(_sample(trace))
-        results.append(
-            {
-                "params": params,
-                "samples": samples,
-                # torch divides while copying each gradient into its bucket (reducer::mul_out):
-                # that cost is already inside the measured backward
-                "divide_ms_per_mib": [0.0],
-                "world_size": first.world_size,
-                "backend": first.backend,
-                "device": first.device,
-            }
-        )
-    return profile_from_ranks(
-        model,
-        results,
-        meta={"source": "torch.profiler trace", "steps": chosen, "ranks": len(results)},
-    )
-
-
-# -- the job's own link ------------------------------------------------------------------------
-
-
-def collective_samples(runs: Sequence[Sequence[StepTrace]]) -> list[tuple[int, float]]:
-    """(bytes, seconds) per all-reduce: from its last rank's start to the end it reached first.
-
-    Before the last rank joins, nobody's bytes move; after the first rank is done, the others
-    only wait to learn it. So that window is the transfer itself, without the ranks' skew.
-    """
-    out = []
-    for traces in _by_step(runs).values():
-        per_bucket: dict[int, list[tuple[float, float, int | None]]] = {}
-        for t in traces:
-            for s in t.of("allreduce"):
-                per_bucket.setdefault(s.bucket, []).append(
-                    (t.origin_ms + s.start_ms, t.origin_ms + s.end_ms, s.nbytes)
-                )
-        for spans in per_bucket.values():
-            if len(spans) != len(traces) or spans[0][2] is None:
-                continue
-            seconds = (min(e for _, e, _ in spans) - max(a for a, _, _ in spans)) / 1e3
-            if seconds > 0:
-                out.append((int(spans[0][2]), seconds))
-    return out
-
-
-def prior_link(backend: str) -> Link:
-    """The shape of the cost to assume when a trace cannot tell α from β: on gloo, this
-    machine's measured loopback fit (if the bandwidth bench has run), else NCCL's NVLink
-    preset (its α from NCCL's own tuning table)."""
-    if backend == "gloo":
-        try:
-            return loopback_link()
-        except (FileNotFoundError, ValueError):
-            pass
-    return PRESETS["nvlink-h100"]
-
-
-def fit_link(runs: Sequence[Sequence[StepTrace]], *, prior: Link | None = None) -> Link:
-    """α and β of the ring model, fitted to the trace's own all-reduces by least squares.
-
-    When the buckets are all about one size (less than 1.5× apart), the per-message latency α
-    and the per-byte cost β cannot be told apart (and α = 0 would make ever smaller buckets
-    look free). Then the cost keeps the shape of a ``prior`` link (default
-    :func:`prior_link`): its α and β are scaled by one factor, the median ratio of the trace's
-    times to the prior's, so the what-if costs this job's all-reduces as measured.
-    """
-    samples = collective_samples(runs)
-    n = runs[0][0].world_size
-    if n < 2:
-        raise ValueError("a world size of 1 has no all-reduce cost to fit")
-    if not samples:
-        raise ValueError(
-            "no all-reduce was seen on every rank with a known size: cannot fit the link "
-            "(pass every rank's trace, recorded with record_shapes=True)"
-        )
-    c = 2.0 * (n - 1)
-    xs = [2.0 * (n - 1) / n * b for b, _ in samples]
-    ts = [t for _, t in samples]
-    backend = runs[0][0].backend
-    how = f"fitted to {len(samples)} all-reduces of this trace ({n} ranks, {backend})"
-    alpha = beta = -1.0
-    if prior is None and max(xs) >= 1.5 * min(xs) and len(samples) >= 3:
-        k = len(xs)
-        sx, st = sum(xs), sum(ts)
-        sxx, sxt = sum(x * x for x in xs), sum(x * t for x, t in zip(xs, ts, strict=True))
-        beta = (k * sxt - sx * st) / (k * sxx - sx * sx)
-        alpha = (st - beta * sx) / k / c
-    if alpha <= 0 or beta <= 0:
-        shape = prior or prior_link(backend)
-        scale = statistics.median(
-            t / shape.allreduce_s(b, n) for b, t in samples if shape.allreduce_s(b, n) > 0
-        )
-        alpha, beta = shape.alpha_s * scale, shape.beta_s_per_byte * scale
-        how += (
-            f"; the buckets are all one size, so α:β is {shape.name}'s, scaled by "
-            f"{scale:.3g} to this trace ({shape.source})"
-        )
-    return Link.from_beta("this job (fitted)", alpha, beta, how)
+Z_90 = 1.645  # a two-sided 90% interval of a normal spread
+TRUST_SHARE, TRUST_MS = 0.30, 1.0  # the model must reproduce the job's own cap this well
 
 
 # -- the current cap ---------------------------------------------------------------------------
 
 
-def _sizes(trace: StepTrace) -> list[int | None]:
-    return [b.get("nbytes") for b in sorted(trace.buckets, key=lambda b: b["index"])]
+def _sizes(trace: StepTrace) -> list[int]:
+    return [b.nbytes for b in sorted(trace.buckets, key=lambda b: b.index)]
 
 
 def _plan_sizes(profile: BackwardProfile, cap: float, first: float) -> list[int]:
     plan = plan_buckets(profile, bucket_cap_mb=cap, first_bucket_cap_mb=first)
     return [b["nbytes"] for b in plan]
+
+
+def consistent_with_default(profile: BackwardProfile, observed: Sequence[int]) -> bool:
+    """Could torch's default caps (25 MiB, first bucket 1 MiB) have cut these buckets?
+
+    Judged on the sizes alone, not on one order of the gradients: torch cut its buckets once,
+    in the order rank 0's gradients became ready in its first iteration, which the profiled
+    steps need not repeat exactly. Every bucket but the last must have reached its cap, and no
+    bucket may hold more than its cap plus the largest gradient (the one that crossed it).
+    """
+    if not observed or sum(observed) != profile.total_bytes:
+        return False
+    largest = max(p.nbytes for p in profile.params)
+    caps = [DEFAULT_FIRST_BUCKET_CAP_MB * MIB] + [DEFAULT_BUCKET_CAP_MB * MIB] * len(observed)
+    last = len(observed) - 1
+    return all(
+        size < cap + largest and (k == last or size >= cap)
+        for k, (size, cap) in enumerate(zip(observed, caps, strict=False))
+    )
 
 
 def infer_cap(
@@ -263,11 +153,13 @@ def infer_cap(
     """The job's bucket cap, from its buckets: the caps whose plan gives exactly those buckets.
 
     Returns (cap, first bucket's cap, the range of fitting caps tried): torch's default (25 MiB,
-    first bucket 1 MiB) if it fits, else the largest fitting explicit cap (every cap in the
-    range cuts the same buckets, so the what-if is the same for all of them).
+    first bucket 1 MiB) if the buckets are consistent with it (:func:`consistent_with_default`),
+    else the largest fitting explicit cap (every cap in the range cuts the same buckets, so the
+    what-if is the same for all of them).
     """
-    if _plan_sizes(profile, TORCH_DEFAULT_CAP_MB, TORCH_FIRST_BUCKET_MB) == list(observed):
-        return TORCH_DEFAULT_CAP_MB, TORCH_FIRST_BUCKET_MB, (TORCH_DEFAULT_CAP_MB,) * 2
+    if consistent_with_default(profile, observed):
+        default = (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB)
+        return (*default, (DEFAULT_BUCKET_CAP_MB,) * 2)
     tried = sorted({round(s / MIB, 6) for s in observed if s} | set(candidate_caps(profile)))
     fits = [c for c in tried if _plan_sizes(profile, c, first_cap(c)) == list(observed)]
     if not fits:
@@ -276,6 +168,46 @@ def infer_cap(
             "pass the job's cap (current_cap_mb=, --current-cap-mb)"
         )
     return fits[-1], first_cap(fits[-1]), (fits[0], fits[-1])
+
+
+def _current_cap(
+    profile: BackwardProfile,
+    observed: list[int],
+    current_cap_mb: float | None,
+    ddp_logging_data: Mapping[str, Any] | None,
+) -> tuple[float, float, str]:
+    """(cap, first bucket's cap, where the cap came from): given, logged by torch, or inferred."""
+    logged = (ddp_logging_data or {}).get("bucket_cap_bytes")
+    if current_cap_mb is None and not logged:
+        cap, first, (lo, hi) = infer_cap(profile, observed)
+        if lo == hi == DEFAULT_BUCKET_CAP_MB:
+            return cap, first, "inferred: torch's default"
+        return (
+            cap,
+            first,
+            f"inferred: every cap tried from {lo:.3g} to {hi:.3g} MiB gives these buckets",
+        )
+    if current_cap_mb is not None:
+        cap, source = float(current_cap_mb), "given"
+    else:
+        cap, source = int(logged) / MIB, "from ddp._get_ddp_logging_data()"
+    # torch's default cap has a 1 MiB first bucket; an explicit one does not
+    first = next(
+        (f for f in (cap, DEFAULT_FIRST_BUCKET_CAP_MB) if _plan_sizes(profile, cap, f) == observed),
+        cap,
+    )
+    return cap, first, source
+
+
+@dataclass(frozen=True)
+class CapRow:
+    """The what-if at one cap: predicted step time and exposure (medians over the steps)."""
+
+    cap_mb: float
+    t_step_ms: float
+    exposed_ms: float
+    low_ms: float  # the exposure's bounds when the trace leaves α:β open (see job_links)
+    high_ms: float
 
 
 # -- the diagnosis -----------------------------------------------------------------------------
@@ -300,6 +232,10 @@ class Spread:
 
 @dataclass
 class Diagnosis:
+    """What the doctor read and predicts. ``gain``: the predicted gain over the steps;
+    ``gain_interval``: where the realized gain of a re-run at ``best_cap_mb`` should fall (90%,
+    see the module notes); ``trusted``: whether the model reproduced the job's own cap."""
+
     world_size: int
     backend: str
     steps: list[int]
@@ -307,35 +243,68 @@ class Diagnosis:
     current_first_cap_mb: float
     cap_source: str
     link: Link
-    measured: list[dict[str, Any]]
-    buckets: list[dict[str, Any]]
+    measured: list[StepRow]
+    buckets: list[BucketRow]
     predicted_current: Spread
     best_cap_mb: float
     predicted_best: Spread
     gain: Spread
     model_miss_ms: float
     recommend: bool
-    sweep: list[dict[str, float]] = field(default_factory=list)
+    noise_ms: float = 0.0  # the standard error of a re-run's median exposure
+    trusted: bool = True
+    contention: Contention | None = None
+    latency_link: Link | None = None  # the all-latency bound, when the trace leaves α:β open
+    straggler: Straggler | None = None
+    sweep: list[CapRow] = field(default_factory=list)
     simulated_best: StepTrace | None = None
     simulated_current: StepTrace | None = None
 
     @property
     def measured_exposed(self) -> Spread:
-        return Spread.of([m["exposed_ms"] for m in self.measured])
+        return Spread.of([m.exposed_ms for m in self.measured])
+
+    def interval_at(self, cap_mb: float) -> tuple[float, float]:
+        """Where the realized gain of a re-run at ``cap_mb`` (one of the caps tried) should
+        fall, 90%: this trace's measured exposure minus the prediction there, give or take a
+        re-run's noise and the model's miss at the current cap."""
+        row = next((s for s in self.sweep if math.isclose(s.cap_mb, cap_mb)), None)
+        if row is None:
+            tried = [s.cap_mb for s in self.sweep]
+            raise ValueError(f"cap {cap_mb!r} MiB was not tried (tried: {tried}); pass caps=")
+        centre = self.measured_exposed.median - row.exposed_ms
+        half = Z_90 * self.noise_ms + self.model_miss_ms + (row.high_ms - row.low_ms) / 2
+        return centre - half, centre + half
+
+    @property
+    def gain_interval(self) -> tuple[float, float]:
+        """:meth:`interval_at` the best cap."""
+        return self.interval_at(self.best_cap_mb)
 
     def recommendation(self) -> str:
+        lo, hi = self.gain_interval
+        if not self.trusted:
+            return (
+                f"no advice: the model misses the job's own cap ({self.current_cap_mb:.3g} MiB) "
+                f"by {self.model_miss_ms:.2f} ms (predicted {self.predicted_current.median:.2f}, "
+                f"measured {self.measured_exposed.median:.2f} ms), more than "
+                f"{TRUST_SHARE:.0%} or {TRUST_MS:g} ms: its what-if cannot be trusted here"
+            )
         if not self.recommend:
             return (
                 f"keep the cap ({self.current_cap_mb:.3g} MiB): the best cap tried, "
-                f"{self.best_cap_mb:.3g} MiB, would gain {self.gain}, not more than the "
-                f"uncertainty (the steps' spread, and the model's miss of "
-                f"{self.model_miss_ms:.2f} ms at the current cap)"
+                f"{self.best_cap_mb:.3g} MiB, would gain {self.gain.median:.2f} ms per step, "
+                f"but a re-run could realize anything from {lo:.2f} to {hi:.2f} ms: within the "
+                f"noise (a step's exposure varies by ± {self.noise_ms:.2f} ms in a median of "
+                f"{len(self.steps)} steps; the model's miss at the current cap is "
+                f"{self.model_miss_ms:.2f} ms)"
             )
         return (
             f"with bucket_cap_mb={self.best_cap_mb:.3g} this job would expose "
             f"{self.predicted_best.median:.2f} ms instead of {self.predicted_current.median:.2f} "
-            f"ms (measured: {self.measured_exposed.median:.2f} ms) per step: a gain of "
-            f"{self.gain} ± {self.model_miss_ms:.2f} ms (the model's miss at the current cap)"
+            f"ms (measured: {self.measured_exposed.median:.2f} ms) per step: a re-run should "
+            f"gain {lo:.2f} to {hi:.2f} ms (90%; the noise of {len(self.steps)} steps and the "
+            f"model's miss of {self.model_miss_ms:.2f} ms at the current cap)"
         )
 
     def summary(self) -> str:
@@ -343,21 +312,37 @@ class Diagnosis:
             f"{self.world_size} ranks ({self.backend}), profiled steps {self.steps}, "
             f"bucket cap {self.current_cap_mb:.3g} MiB ({self.cap_source})",
             f"link: {self.link.describe()}  [{self.link.source}]",
+        ]
+        if self.contention is not None and self.contention.alpha_factor > 1:
+            lines.append(
+                f"contention: an all-reduce beside a running backward costs "
+                f"{self.contention.alpha_factor:.2f}x ({self.contention.probe.get('busy', 0)} "
+                f"busy, {self.contention.probe.get('quiet', 0)} quiet all-reduces)"
+            )
+        if self.latency_link is not None:
+            lines.append(
+                "the quiet all-reduces are all one size, so latency and per-byte cost cannot be "
+                "told apart: each prediction is the mean of that link's and an all-latency "
+                f"one's ({self.latency_link.describe()}), and the interval spans both"
+            )
+        lines += [
             "",
             "per step (the rank whose backward ended last):",
             "  step   t_step ms   backward ms   comm ms   exposed ms   (exposed per rank)",
         ]
         for m in self.measured:
-            per_rank = ", ".join(f"{x:.2f}" for x in m["exposed_by_rank"])
+            per_rank = ", ".join(f"{x:.2f}" for x in m.exposed_by_rank)
             lines.append(
-                f"  {m['step']:>4}   {m['t_step_ms']:9.2f}   {m['backward_ms']:11.2f}   "
-                f"{m['comm_ms']:7.2f}   {m['exposed_ms']:10.2f}   ({per_rank})"
+                f"  {m.step:>4}   {m.t_step_ms:9.2f}   {m.backward_ms:11.2f}   "
+                f"{m.comm_ms:7.2f}   {m.exposed_ms:10.2f}   ({per_rank})"
             )
+        lines.append(
+            "straggler: " + (str(self.straggler) if self.straggler else "none (the ranks are even)")
+        )
         lines += ["", "per bucket (medians over steps):", "  bucket   MiB     params   exposed ms"]
         for b in self.buckets:
             lines.append(
-                f"  {b['index']:>6}   {b['nbytes'] / MIB:6.3f}   {b['n_params']:>6}   "
-                f"{b['exposed_ms']:10.2f}"
+                f"  {b.index:>6}   {b.nbytes / MIB:6.3f}   {b.n_params:>6}   {b.exposed_ms:10.2f}"
             )
         lines += [
             "",
@@ -370,20 +355,65 @@ class Diagnosis:
         return "\n".join(lines)
 
 
-def _last_backward(traces: Sequence[StepTrace]) -> StepTrace:
-    return max(traces, key=lambda t: t.origin_ms + t.of("backward")[-1].end_ms)
+def _sweep(
+    runs: list[list[StepTrace]],
+    steps: list[int],
+    tried: list[float],
+    sims: Sequence[Callable[[BackwardProfile, float], StepTrace]],
+) -> tuple[dict[float, list[float]], list[CapRow]]:
+    """The what-if at every cap tried, one profile per step (a prediction is judged on every
+    step, and a cap chosen on the medians), under each link: the per-step exposure predicted
+    (the links' mean) and a row per cap with the links' range."""
+    per_step = [profile_from_trace(runs, steps=[number]) for number in steps]
+    exposed, sweep = {}, []
+    for c in tried:
+        by_link = [[sim(p, c).metrics for p in per_step] for sim in sims]
+        exposed[c] = [
+            statistics.fmean(m.exposed_comm_ms for m in ms) for ms in zip(*by_link, strict=True)
+        ]
+        medians = [statistics.median(m.exposed_comm_ms for m in ms) for ms in by_link]
+        sweep.append(
+            CapRow(
+                cap_mb=c,
+                t_step_ms=statistics.fmean(
+                    statistics.median(m.t_step_ms for m in ms) for ms in by_link
+                ),
+                exposed_ms=statistics.median(exposed[c]),
+                low_ms=min(medians),
+                high_ms=max(medians),
+            )
+        )
+    return exposed, sweep
 
 
-def _simulate(
-    profile: BackwardProfile, cap: float, n: int, link: Link, first: float | None = None
-) -> StepTrace:
-    return simulate(
-        profile,
-        bucket_cap_mb=cap,
-        first_bucket_cap_mb=first_cap(cap) if first is None else first,
-        world_size=n,
-        link=link,
-    )
+def _runs_of(source: Any, ddp_logging_data: Mapping[str, Any] | None) -> list[list[StepTrace]]:
+    if isinstance(source, list) and source and all(isinstance(r, list) for r in source):
+        return source
+    return from_profiler(source, ddp_logging_data=ddp_logging_data)
+
+
+def _best(sweep: Sequence[CapRow], cap: float) -> float:
+    """The cap that exposes least (compute is the same at every cap: what a cap changes is the
+    exposure); among ties, the one nearest the current (the smallest change)."""
+    least = min(s.exposed_ms for s in sweep)
+    return min(
+        (s for s in sweep if s.exposed_ms <= least + 1e-9),
+        key=lambda s: abs(math.log(s.cap_mb / cap)),
+    ).cap_mb
+
+
+def _rerun_noise(predicted_current: Sequence[float], measured: Sequence[float]) -> float:
+    """The standard error of a re-run's median exposure, from this trace's steps.
+
+    The residuals (measured minus predicted, step by step at the current cap) hold the
+    machine's noise and the model's error. A busy machine's steps have heavy tails (one step
+    descheduled for milliseconds), which a MAD would call outliers and a re-run will have too:
+    so σ is their standard deviation, and a median of m steps has ``MEDIAN_SE·σ/√m``.
+    """
+    residuals = [m - p for m, p in zip(measured, predicted_current, strict=True)]
+    if len(residuals) < 2:
+        return 0.0
+    return MEDIAN_SE * statistics.stdev(residuals) / math.sqrt(len(residuals))
 
 
 def diagnose(
@@ -397,96 +427,48 @@ def diagnose(
 ) -> Diagnosis:
     """Read a torch DDP job's profiler trace (or ``from_profiler``'s output) and diagnose it.
 
-    ``link``: a preset name or a :class:`Link` to ask "what if on that fabric"; default: the
-    job's own, fitted to the trace (``prior``: the link whose α:β shape the fit keeps when the
-    buckets are all one size; see :func:`fit_link`). ``current_cap_mb``: the job's cap, else
-    read from ``ddp_logging_data['bucket_cap_bytes']``, else inferred from its buckets.
+    ``link``: a preset name or a :class:`Link` to ask "what if on that fabric" (no contention);
+    default: the job's own, fitted to the trace with its contention (:func:`job_link`;
+    ``prior``: the link whose α:β shape the fit keeps when the buckets are all one size).
+    ``current_cap_mb``: the job's cap, else read from ``ddp_logging_data['bucket_cap_bytes']``,
+    else inferred from its buckets. ``caps``: the caps to try (default: E12 caps), and the job's.
     """
-    if isinstance(source, list) and source and all(isinstance(r, list) for r in source):
-        runs = source
-    else:
-        runs = from_profiler(source, ddp_logging_data=ddp_logging_data)
-    table = _by_step(runs)
+    runs = _runs_of(source, ddp_logging_data)
+    table, profile, n = by_step(runs), profile_from_trace(runs), runs[0][0].world_size
     steps = list(table)
-    profile = profile_from_trace(runs)
-    n = runs[0][0].world_size
-    the_link = (
-        fit_link(runs, prior=get_link(prior) if prior else None) if link is None else get_link(link)
-    )
-    observed = [int(x) for x in _sizes(table[steps[-1]][0])]
-    if current_cap_mb is not None or (ddp_logging_data or {}).get("bucket_cap_bytes"):
-        if current_cap_mb is not None:
-            cap, cap_source = float(current_cap_mb), "given"
-        else:
-            cap = int(ddp_logging_data["bucket_cap_bytes"]) / MIB
-            cap_source = "from ddp._get_ddp_logging_data()"
-        # torch's default cap has a 1 MiB first bucket; an explicit one does not
-        first = next(
-            (f for f in (cap, TORCH_FIRST_BUCKET_MB) if _plan_sizes(profile, cap, f) == observed),
-            cap,
-        )
+    if link is None:
+        links = job_links(runs, prior=get_link(prior) if prior else None)
+        lanes = max(int(t.meta.get("comm_lanes", 1)) for rank in runs for t in rank)
     else:
-        cap, first, (lo, hi) = infer_cap(profile, observed)
-        cap_source = (
-            "inferred: torch's default"
-            if lo == hi == TORCH_DEFAULT_CAP_MB
-            else f"inferred: every cap tried from {lo:.3g} to {hi:.3g} MiB gives these buckets"
+        links, lanes = [(get_link(link), None)], 1
+    the_link, contention = links[0]
+
+    def sim(p: BackwardProfile, c: float, first: float | None = None, k: int = 0) -> StepTrace:
+        return simulate_lanes(
+            p,
+            bucket_cap_mb=c,
+            first_bucket_cap_mb=first_cap(c) if first is None else first,
+            world_size=n,
+            link=links[k][0],
+            contention=links[k][1],
+            lanes=lanes,
         )
+
+    observed = _sizes(table[steps[-1]][0])
+    cap, first, cap_source = _current_cap(profile, observed, current_cap_mb, ddp_logging_data)
     tried = sorted(set(candidate_caps(profile) if caps is None else caps) | {cap})
-    # one profile per step: the prediction is judged on every step, and chosen on the median
-    per_step = [profile_from_trace(runs, steps=[number]) for number in steps]
-    predicted: dict[float, list[StepTrace]] = {
-        c: [_simulate(p, c, n, the_link, first if c == cap else None) for p in per_step]
-        for c in tried
-    }
-    sweep = [
-        {
-            "cap_mb": c,
-            "t_step_ms": statistics.median(t.metrics.t_step_ms for t in predicted[c]),
-            "exposed_ms": statistics.median(t.metrics.exposed_comm_ms for t in predicted[c]),
-        }
-        for c in tried
+    sims = [
+        functools.partial(lambda p, c, k: sim(p, c, first if c == cap else None, k), k=k)
+        for k in range(len(links))
     ]
-    fastest = min(s["t_step_ms"] for s in sweep)
-    # ties: the cap nearest the current one, i.e. the smallest change that reaches the best
-    best = min(
-        (s for s in sweep if s["t_step_ms"] <= fastest * (1 + 1e-9)),
-        key=lambda s: abs(math.log(s["cap_mb"] / cap)),
-    )["cap_mb"]
-    per_step_current = [t.metrics.exposed_comm_ms for t in predicted[cap]]
-    per_step_best = [t.metrics.exposed_comm_ms for t in predicted[best]]
-    measured, exposed_by_bucket = [], {}
-    for number in steps:
-        traces = table[number]
-        slow = _last_backward(traces)
-        m = slow.metrics
-        measured.append(
-            {
-                "step": number,
-                "rank": slow.rank,
-                "t_step_ms": max(t.metrics.t_step_ms for t in traces),
-                "backward_ms": m.t_backward_ms,
-                "comm_ms": m.t_comm_ms,
-                "exposed_ms": m.exposed_comm_ms,
-                "exposed_by_rank": [t.metrics.exposed_comm_ms for t in traces],
-            }
-        )
-        for b, ms in m.exposed_ms.items():
-            exposed_by_bucket.setdefault(b, []).append(ms)
-    last = table[steps[-1]][0]
-    buckets = [
-        {
-            "index": b["index"],
-            "nbytes": b["nbytes"] or 0,
-            "n_params": len(b.get("param_names", [])),
-            "exposed_ms": statistics.median(exposed_by_bucket.get(b["index"], [0.0])),
-        }
-        for b in sorted(last.buckets, key=lambda b: b["index"])
-    ]
-    current = Spread.of(per_step_current)
-    gain = Spread.of([c - b for c, b in zip(per_step_current, per_step_best, strict=True)])
-    miss = abs(current.median - statistics.median(m["exposed_ms"] for m in measured))
-    return Diagnosis(
+    predicted, sweep = _sweep(runs, steps, tried, sims)
+    best = _best(sweep, cap)
+    per_step_current, per_step_best = predicted[cap], predicted[best]
+    measured = measured_steps(runs)
+    noise = _rerun_noise(per_step_current, [m.exposed_ms for m in measured])
+    measured_median = statistics.median(m.exposed_ms for m in measured)
+    miss = abs(statistics.median(per_step_current) - measured_median)
+    d = Diagnosis(
         world_size=n,
         backend=runs[0][0].backend,
         steps=steps,
@@ -495,14 +477,22 @@ def diagnose(
         cap_source=cap_source,
         link=the_link,
         measured=measured,
-        buckets=buckets,
-        predicted_current=current,
+        buckets=bucket_rows(runs),
+        predicted_current=Spread.of(per_step_current),
         best_cap_mb=best,
         predicted_best=Spread.of(per_step_best),
-        gain=gain,
+        gain=Spread.of([c - b for c, b in zip(per_step_current, per_step_best, strict=True)]),
         model_miss_ms=miss,
-        recommend=best != cap and gain.low > 0 and gain.median > miss,
+        recommend=False,  # set below, from the interval
+        noise_ms=noise,
+        # a miss within the noise of the measured median is no evidence against the model
+        trusted=miss <= max(TRUST_SHARE * measured_median, TRUST_MS, Z_90 * noise),
+        contention=contention,
+        latency_link=links[1][0] if len(links) > 1 else None,
+        straggler=find_straggler(runs),
         sweep=sweep,
-        simulated_best=_simulate(profile, best, n, the_link),
-        simulated_current=_simulate(profile, cap, n, the_link, first),
+        simulated_best=sim(profile, best),
+        simulated_current=sim(profile, cap, first),
     )
+    d.recommend = best != cap and d.trusted and d.gain_interval[0] > 0
+    return d

@@ -38,15 +38,23 @@ was written): it follows Kineto's event schema, and its steps say ``meta["verifi
 from __future__ import annotations
 
 import bisect
-import gzip
-import json
-import math
-import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+from dplab.trace.bucket import Bucket
+from dplab.trace.kineto import (
+    NCCL_ALLREDUCE,
+    trace_files,  # noqa: F401  (re-exported: the CLI's reader)
+)
+from dplab.trace.kineto import Event as _Event
+from dplab.trace.kineto import GpuTimes as _GpuTimes
+from dplab.trace.kineto import documents as _documents
+from dplab.trace.kineto import element_bytes as _element_bytes
+from dplab.trace.kineto import events_of as _events
+from dplab.trace.kineto import launch_numel as _launch_numel
+from dplab.trace.kineto import logged_bucket_sizes as _logged_bucket_sizes
+from dplab.trace.kineto import numel as _numel
 from dplab.trace.step import Span, StepTrace
 
 STEP_PREFIX = "ProfilerStep#"
@@ -58,242 +66,8 @@ COPY_BACK = "torch.distributed.ddp.reducer::copy_bucket_to_grad"
 OPTIMIZER_PREFIX = "Optimizer.step#"
 ALLREDUCE_LAUNCH = "c10d::allreduce_"
 GLOO_ALLREDUCE = "gloo:all_reduce"
-NCCL_ALLREDUCE = ("ncclDevKernel_AllReduce", "ncclKernel_AllReduce")
-FORMAT_NOTE = "torch.profiler (Kineto) trace"
-
-# Kineto's names for element types (the ``Input type`` of an op), to bytes per element.
-ELEMENT_BYTES = {
-    "float": 4,
-    "double": 8,
-    "c10::Half": 2,
-    "c10::BFloat16": 2,
-    "half": 2,
-    "bfloat16": 2,
-    "int": 4,
-    "long int": 8,
-    "Float": 4,
-    "Double": 8,
-    "Half": 2,
-    "BFloat16": 2,
-}
-
-
-@dataclass(frozen=True)
-class _Event:
-    name: str
-    tid: Any
-    start: float  # µs after the trace's baseTimeNanoseconds
-    end: float
-    args: Mapping[str, Any]
-    cat: str = ""
-
-
-# -- reading the files -------------------------------------------------------------------------
-
-
-def _read(path: Path) -> Any:
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no profiler trace at {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a readable {FORMAT_NOTE}: {e}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{path} is not JSON ({e.msg} at character {e.pos} of {len(text)}); expected the "
-            "file prof.export_chrome_trace() writes"
-        ) from None
-
-
-def trace_files(folder: str | Path) -> list[Path]:
-    """The candidate traces in a folder: ``*.json`` and ``*.json.gz`` (the tensorboard
-    handler's ``*.pt.trace.json`` included)."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise FileNotFoundError(f"no folder {root}")
-    files = sorted(p for p in root.iterdir() if p.name.endswith((".json", ".json.gz")))
-    if not files:
-        raise FileNotFoundError(f"no *.json or *.json.gz profiler traces in {root}")
-    return files
-
-
-def _is_kineto(doc: Any) -> bool:
-    other = doc.get("otherData") if isinstance(doc, Mapping) else None
-    return (
-        isinstance(doc, Mapping)
-        and isinstance(doc.get("traceEvents"), list)
-        and "distributedInfo" in doc
-        and not (isinstance(other, Mapping) and other.get("producer") == "dplab")
-    )
-
-
-def _documents(source: Any) -> list[tuple[str, Any]]:
-    """(label, parsed JSON) for each rank's trace in ``source``."""
-    if hasattr(source, "export_chrome_trace"):
-        with tempfile.TemporaryDirectory(prefix="dplab-profile-") as tmp:
-            path = Path(tmp) / "trace.json"
-            try:
-                source.export_chrome_trace(str(path))
-            except Exception as e:  # torch raises several kinds when nothing was recorded
-                raise ValueError(
-                    f"the profile object could not export a trace ({e}); was it stopped after "
-                    "recording at least one active step?"
-                ) from e
-            return [("profile object", _read(path))]
-    if isinstance(source, Mapping):
-        return [("trace dict", source)]
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        if path.is_dir():
-            # a run folder may hold other JSON too (dplab's own traces, notes): skip what is
-            # not a Kineto trace, and say so if nothing is left
-            docs = [(str(p), _read(p)) for p in trace_files(path)]
-            kept = [(label, doc) for label, doc in docs if _is_kineto(doc)]
-            if not kept:
-                raise ValueError(
-                    f"none of the {len(docs)} JSON files in {path} is a {FORMAT_NOTE} "
-                    "(no traceEvents with distributedInfo; dplab's own traces excepted)"
-                )
-            return kept
-        return [(str(path), _read(path))]
-    if isinstance(source, Sequence):
-        return [d for item in source for d in _documents(item)]
-    raise ValueError(
-        "from_profiler needs a trace file, a folder of them, a torch.profiler.profile object "
-        f"or a parsed trace dict; got {type(source).__name__}"
-    )
-
-
-def _events(label: str, doc: Any) -> tuple[dict[str, Any], list[_Event]]:
-    if not isinstance(doc, Mapping) or not isinstance(doc.get("traceEvents"), list):
-        found = sorted(doc)[:6] if isinstance(doc, Mapping) else type(doc).__name__
-        raise ValueError(
-            f"{label} is not a {FORMAT_NOTE}: it has no traceEvents list (found {found})"
-        )
-    other = doc.get("otherData")
-    if isinstance(other, Mapping) and other.get("producer") == "dplab":
-        raise ValueError(
-            f"{label} is a dplab trace (Chrome export of StepTraces), not a torch.profiler "
-            "one: read the run's rank*.json with dplab.trace.load_run"
-        )
-    info = doc.get("distributedInfo")
-    if not isinstance(info, Mapping) or "rank" not in info:
-        raise ValueError(
-            f"{label} has no distributedInfo with a rank: it was not recorded inside a "
-            "torch.distributed job (init_process_group before profiling)"
-        )
-    events = []
-    for e in doc["traceEvents"]:
-        if not isinstance(e, Mapping) or e.get("ph") != "X":
-            continue
-        try:
-            start = float(e["ts"])
-            end = start + float(e.get("dur", 0.0))
-        except (KeyError, TypeError, ValueError):
-            continue
-        args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
-        events.append(
-            _Event(str(e.get("name", "")), e.get("tid"), start, end, args, e.get("cat", ""))
-        )
-    meta = {
-        "rank": int(info["rank"]),
-        "world_size": int(info.get("world_size", 1)),
-        "backend": str(info.get("backend", "unknown")),
-        "source": label,
-        "record_shapes": bool(doc.get("record_shapes", False)),
-        "host": doc.get("host_name"),
-        # timestamps are µs after this wall-clock instant; kept apart, as adding it to every
-        # timestamp would leave a double only a quarter-µs resolution
-        "base_ns": int(doc.get("baseTimeNanoseconds", 0)),
-    }
-    return meta, events
-
-
-# -- sizes -------------------------------------------------------------------------------------
-
-
-def _numel(dims: Any) -> int | None:
-    if not isinstance(dims, list) or not all(isinstance(d, int) for d in dims):
-        return None
-    return math.prod(dims)
-
-
-def _launch_numel(e: _Event) -> int | None:
-    """numel of a ``c10d::allreduce_`` launch's tensor list (one flat bucket)."""
-    dims = e.args.get("Input Dims")
-    if not isinstance(dims, list) or not dims or not isinstance(dims[0], list):
-        return None
-    sizes = [_numel(t) for t in dims[0]]
-    return None if any(s is None for s in sizes) or not sizes else sum(sizes)
-
-
-def _element_bytes(e: _Event | None) -> int | None:
-    if e is None:
-        return None
-    if e.name.startswith(NCCL_ALLREDUCE):  # e.g. ncclDevKernel_AllReduce_Sum_f32_RING_LL
-        return next((w for t, w in NCCL_DTYPES.items() if f"_{t}_" in f"{e.name}_"), None)
-    types = e.args.get("Input type") or []
-    return ELEMENT_BYTES.get(types[0]) if types and isinstance(types[0], str) else None
-
-
-def _logged_bucket_sizes(data: Mapping[str, Any] | None) -> list[int] | None:
-    """Bucket bytes from ``_get_ddp_logging_data()``: the rebuilt buckets if DDP rebuilt them."""
-    if not data:
-        return None
-    for key in ("rebuilt_bucket_sizes", "bucket_sizes"):
-        text = data.get(key)
-        if isinstance(text, str) and text.strip():
-            try:
-                return [int(x) for x in text.split(",")]
-            except ValueError:
-                raise ValueError(
-                    f"ddp_logging_data[{key!r}] is not a list of ints: {text!r}"
-                ) from None
-    return None
-
 
 # -- one rank ----------------------------------------------------------------------------------
-
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
-NCCL_DTYPES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "f8e4m3": 1, "f8e5m2": 1}
-
-
-class _GpuTimes:
-    """When the GPU ran what a CPU range launched: each kernel is joined to the runtime call
-    that launched it by Kineto's ``correlation`` id. (Unverified on a recorded GPU trace.)"""
-
-    def __init__(self, events: Sequence[_Event]) -> None:
-        launched = {
-            e.args["correlation"]: e.start
-            for e in events
-            if e.cat in LAUNCH_CATS and "correlation" in e.args
-        }
-        pairs = sorted(
-            (launched[k.args["correlation"]], k.start, k)
-            for k in events
-            if k.cat in GPU_CATS and k.args.get("correlation") in launched
-        )
-        self.compute = [(t, k) for t, _, k in pairs if not k.name.startswith(NCCL_ALLREDUCE)]
-        self.nccl = [(t, k) for t, _, k in pairs if k.name.startswith(NCCL_ALLREDUCE)]
-        self._at = [t for t, _ in self.compute]
-
-    def window(self, start: float, end: float) -> tuple[float, float] | None:
-        """(first kernel start, last kernel end) of what was launched in [start, end]."""
-        ks = [
-            k
-            for _, k in self.compute[
-                bisect.bisect_left(self._at, start) : bisect.bisect_right(self._at, end)
-            ]
-        ]
-        return (min(k.start for k in ks), max(k.end for k in ks)) if ks else None
-
-    def on_gpu(self, start: float, end: float) -> tuple[float, float]:
-        return self.window(start, end) or (start, end)
 
 
 def _accumulations(events: Sequence[_Event], launches: Sequence[_Event]) -> list[_Event]:
@@ -347,12 +121,84 @@ def _match_runs(launches: list[_Event], runs: list[_Event]) -> dict[int, _Event]
     return out
 
 
+@dataclass(frozen=True)
+class _RankEvents:
+    """One rank's events, sorted into what the steps are read from (one pass over the file)."""
+
+    label: str
+    forwards: list[_Event]
+    launches: list[_Event]  # c10d::allreduce_ on the training thread, in start order
+    gloo_runs: dict[int, _Event]  # index into launches -> its gloo:all_reduce range
+    nccl: list[_Event]  # NCCL kernels, in start order
+    gpu: _GpuTimes | None  # set on a GPU (NCCL) trace
+    autograd: list[_Event]
+    accumulations: list[_Event]
+    grads: list[_Event]
+    copies: list[_Event]
+    optimizers: list[_Event]
+
+
+@dataclass(frozen=True)
+class _RawStep:
+    """One profiled step of one rank as read from its events, in the file's µs.
+
+    Produced by :func:`_raw_step` (CPU times), moved to the GPU's clock by
+    :func:`_on_gpu_clock`, and turned into a :class:`StepTrace` by :func:`_to_step`.
+    """
+
+    window: tuple[float, float]  # the ProfilerStep#N range
+    forwards: list[tuple[float, float]]
+    backwards: list[tuple[float, float]]  # one per micro-batch, the accumulations' end
+    ops_end: float  # the last autograd op's end (DDP's hooks included)
+    comms: list[tuple[int, _Event | None, _Event]]  # (bucket, launch, gloo range / NCCL kernel)
+    copies: list[_Event]  # copy_bucket_to_grad (bounds the all-reduces' ends on CPU)
+    copy_end: float | None
+    optimizer: list[tuple[float, float]]
+    grads: list[_Event]  # reducer::mul_out, one per gradient, in ready order
+    ready: list[float]  # when each gradient was ready
+    gpu: bool
+
+
+def _rank_events(label: str, events: list[_Event], forward_name: str) -> _RankEvents:
+    """Sort one rank's events, or say which kind the trace lacks."""
+    forwards = [e for e in events if e.name == forward_name]
+    if not forwards:
+        raise ValueError(
+            f"{label} has no {forward_name!r} range: it is not a trace of a torch "
+            "DistributedDataParallel job (pass forward_name= for a module whose forward is "
+            "annotated otherwise)"
+        )
+    nccl = sorted((e for e in events if e.name.startswith(NCCL_ALLREDUCE)), key=lambda e: e.start)
+    gloo = [e for e in events if e.name == GLOO_ALLREDUCE]
+    launches = sorted((e for e in events if e.name == ALLREDUCE_LAUNCH), key=lambda e: e.start)
+    if not nccl and not gloo:
+        raise ValueError(
+            f"{label} has no all-reduce: neither {GLOO_ALLREDUCE!r} ranges (gloo, CPU) nor "
+            f"{' / '.join(n + '*' for n in NCCL_ALLREDUCE)} kernels (NCCL, GPU); was the "
+            "profiled job synchronising gradients (not under no_sync(), world size > 1)?"
+        )
+    gpu = bool(nccl)
+    return _RankEvents(
+        label=label,
+        forwards=forwards,
+        launches=launches,
+        gloo_runs={} if gpu else _match_runs(launches, gloo),
+        nccl=nccl,
+        gpu=_GpuTimes(events) if gpu else None,
+        autograd=[e for e in events if e.name.startswith(AUTOGRAD_PREFIX)],
+        accumulations=_accumulations(events, launches),
+        grads=[e for e in events if e.name == GRAD_READY],
+        copies=[e for e in events if e.name == COPY_BACK],
+        optimizers=[e for e in events if e.name.startswith(OPTIMIZER_PREFIX)],
+    )
+
+
 def _rank_steps(
     meta: dict[str, Any],
     events: list[_Event],
     *,
     forward_name: str,
-) -> list[tuple[int, float, dict[str, Any]]]:
+) -> list[tuple[int, float, _RawStep]]:
     """(step number, its first forward's start in the file's µs, raw step) for every profiled
     step of one rank."""
     label = meta["source"]
@@ -362,103 +208,98 @@ def _rank_steps(
             f"{label} has no {STEP_PREFIX}N ranges, so its steps cannot be found: profile with "
             "schedule=torch.profiler.schedule(...) and call prof.step() once per step"
         )
-    forwards = [e for e in events if e.name == forward_name]
-    if not forwards:
-        raise ValueError(
-            f"{label} has no {forward_name!r} range: it is not a trace of a torch "
-            "DistributedDataParallel job (pass forward_name= for a module whose forward is "
-            "annotated otherwise)"
-        )
-    nccl = [e for e in events if e.name.startswith(NCCL_ALLREDUCE)]
-    gloo = [e for e in events if e.name == GLOO_ALLREDUCE]
-    launches_all = sorted((e for e in events if e.name == ALLREDUCE_LAUNCH), key=lambda e: e.start)
-    if not nccl and not gloo:
-        raise ValueError(
-            f"{label} has no all-reduce: neither {GLOO_ALLREDUCE!r} ranges (gloo, CPU) nor "
-            f"{' / '.join(n + '*' for n in NCCL_ALLREDUCE)} kernels (NCCL, GPU); was the "
-            "profiled job synchronising gradients (not under no_sync(), world size > 1)?"
-        )
-    gpu = bool(nccl)
-    runs = _match_runs(launches_all, gloo) if not gpu else {}
-    nccl_sorted = sorted(nccl, key=lambda e: e.start)
-    times = _GpuTimes(events) if gpu else None
-    autograd = [e for e in events if e.name.startswith(AUTOGRAD_PREFIX)]
-    accumulations = _accumulations(events, launches_all)
-    grads = [e for e in events if e.name == GRAD_READY]
-    copies = [e for e in events if e.name == COPY_BACK]
-    optimizers = [e for e in events if e.name.startswith(OPTIMIZER_PREFIX)]
+    rank = _rank_events(label, events, forward_name)
     out = []
     for step in steps:
-        number = (
-            int(step.name[len(STEP_PREFIX) :])
-            if step.name[len(STEP_PREFIX) :].isdigit()
-            else len(out)
-        )
-        fwd = sorted(_within(forwards, step.start, step.end), key=lambda e: e.start)
-        if not fwd:
-            continue
-        bounds = [f.start for f in fwd[1:]] + [step.end]
-        backwards = []
-        for f, until in zip(fwd, bounds, strict=True):
-            ops = _within(autograd, f.end, until)
-            if not ops:
-                continue
-            # the accumulation itself, without the post hooks (DDP's) that run inside the
-            # engine's evaluate_function around it
-            acc = _within(accumulations, f.end, until) or ops
-            backwards.append((min(e.start for e in ops), max(e.end for e in acc)))
-            ops_end = max(e.end for e in ops)
-        if not backwards:
-            raise ValueError(
-                f"{label}, step {number}: no backward ops ({AUTOGRAD_PREFIX}…) after the "
-                "forward; was backward() called inside the profiled step?"
-            )
-        last_fwd_end = fwd[-1].end
-        idx = [i for i, e in enumerate(launches_all) if last_fwd_end <= e.start < step.end]
-        comms = []
-        if gpu:
-            # NCCL kernels launched from this step's backward (by correlation), else those
-            # that ran in its range
-            kernels = [k for t, k in times.nccl if last_fwd_end <= t < step.end] or [
-                k for k in nccl_sorted if step.start <= k.start < step.end
-            ]
-            for b, k in enumerate(sorted(kernels, key=lambda k: k.start)):
-                launch = launches_all[idx[b]] if b < len(idx) else None
-                comms.append((b, launch, k))
-        else:
-            for b, i in enumerate(idx):
-                if i in runs:
-                    comms.append((b, launches_all[i], runs[i]))
-        if not comms:
-            raise ValueError(
-                f"{label}, step {number}: no all-reduce was launched after the forward "
-                "(was this step under no_sync()?)"
-            )
-        opt = sorted(_within(optimizers, last_fwd_end, step.end), key=lambda e: e.start)
-        step_grads = sorted(_within(grads, backwards[-1][0], step.end), key=lambda e: e.end)
-        done = sorted(e.end for e in _within(accumulations, backwards[-1][0], step.end))
-        step_copies = _within(copies, backwards[-1][0], step.end)
-        raw = {
-            "window": (step.start, step.end),
-            "forwards": [(f.start, f.end) for f in fwd],
-            "backwards": backwards,
-            "ops_end": ops_end,
-            "comms": comms,
-            "copies": step_copies,
-            "copy_end": max((c.end for c in step_copies), default=None),
-            "optimizer": [(o.start, o.end) for o in opt[:1]],
-            "grads": step_grads,
-            "ready": [_ready_cpu(done, g) for g in step_grads],
-            "gpu": gpu,
-        }
-        if times is not None:
-            _to_gpu_times(raw, times, step_copies)
-        out.append((number, raw["forwards"][0][0], raw))
+        suffix = step.name[len(STEP_PREFIX) :]
+        number = int(suffix) if suffix.isdigit() else len(out)
+        raw = _raw_step(rank, step, number)
+        if raw is not None:
+            out.append((number, raw.forwards[0][0], raw))
     if not out:
         raise ValueError(
             f"{label}: none of its {len(steps)} {STEP_PREFIX}N ranges holds a {forward_name!r}"
         )
     return out
+
+
+def _backwards(
+    rank: _RankEvents, fwd: list[_Event], step: _Event, number: int
+) -> tuple[list[tuple[float, float]], float]:
+    """Each micro-batch's backward (first autograd op to the last accumulation after its
+    forward) and the end of the last autograd op."""
+    bounds = [f.start for f in fwd[1:]] + [step.end]
+    backwards, ops_end = [], 0.0
+    for f, until in zip(fwd, bounds, strict=True):
+        ops = _within(rank.autograd, f.end, until)
+        if not ops:
+            continue
+        # the accumulation itself, without the post hooks (DDP's) that run inside the
+        # engine's evaluate_function around it
+        acc = _within(rank.accumulations, f.end, until) or ops
+        backwards.append((min(e.start for e in ops), max(e.end for e in acc)))
+        ops_end = max(e.end for e in ops)
+    if not backwards:
+        raise ValueError(
+            f"{rank.label}, step {number}: no backward ops ({AUTOGRAD_PREFIX}…) after the "
+            "forward; was backward() called inside the profiled step?"
+        )
+    return backwards, ops_end
+
+
+def _comms(
+    rank: _RankEvents, step: _Event, last_fwd_end: float, number: int
+) -> list[tuple[int, _Event | None, _Event]]:
+    """(bucket, launch, the all-reduce's range) for each all-reduce launched after the last
+    forward: on CPU the gloo range matched to its launch, on GPU the NCCL kernel."""
+    idx = [i for i, e in enumerate(rank.launches) if last_fwd_end <= e.start < step.end]
+    comms: list[tuple[int, _Event | None, _Event]] = []
+    if rank.gpu is not None:
+        # NCCL kernels launched from this step's backward (by correlation), else those
+        # that ran in its range
+        kernels = [k for t, k in rank.gpu.nccl if last_fwd_end <= t < step.end] or [
+            k for k in rank.nccl if step.start <= k.start < step.end
+        ]
+        for b, k in enumerate(sorted(kernels, key=lambda k: k.start)):
+            comms.append((b, rank.launches[idx[b]] if b < len(idx) else None, k))
+    else:
+        for b, i in enumerate(idx):
+            if i in rank.gloo_runs:
+                comms.append((b, rank.launches[i], rank.gloo_runs[i]))
+    if not comms:
+        raise ValueError(
+            f"{rank.label}, step {number}: no all-reduce was launched after the forward "
+            "(was this step under no_sync()?)"
+        )
+    return comms
+
+
+def _raw_step(rank: _RankEvents, step: _Event, number: int) -> _RawStep | None:
+    """One ProfilerStep's ranges, or None when it holds no forward."""
+    fwd = sorted(_within(rank.forwards, step.start, step.end), key=lambda e: e.start)
+    if not fwd:
+        return None
+    backwards, ops_end = _backwards(rank, fwd, step, number)
+    last_fwd_end = fwd[-1].end
+    comms = _comms(rank, step, last_fwd_end, number)
+    opt = sorted(_within(rank.optimizers, last_fwd_end, step.end), key=lambda e: e.start)
+    step_grads = sorted(_within(rank.grads, backwards[-1][0], step.end), key=lambda e: e.end)
+    done = sorted(e.end for e in _within(rank.accumulations, backwards[-1][0], step.end))
+    step_copies = _within(rank.copies, backwards[-1][0], step.end)
+    raw = _RawStep(
+        window=(step.start, step.end),
+        forwards=[(f.start, f.end) for f in fwd],
+        backwards=backwards,
+        ops_end=ops_end,
+        comms=comms,
+        copies=step_copies,
+        copy_end=max((c.end for c in step_copies), default=None),
+        optimizer=[(o.start, o.end) for o in opt[:1]],
+        grads=step_grads,
+        ready=[_ready_cpu(done, g) for g in step_grads],
+        gpu=rank.gpu is not None,
+    )
+    return raw if rank.gpu is None else _on_gpu_clock(raw, rank.gpu)
 
 
 def _ready_cpu(done: Sequence[float], grad: _Event) -> float:
@@ -467,26 +308,29 @@ def _ready_cpu(done: Sequence[float], grad: _Event) -> float:
     return done[k - 1] if k else grad.start
 
 
-def _to_gpu_times(raw: dict[str, Any], times: _GpuTimes, copies: Sequence[_Event]) -> None:
+def _on_gpu_clock(raw: _RawStep, times: _GpuTimes) -> _RawStep:
     """On GPU the CPU only launches: move every compute range to the kernels it launched."""
-    raw["forwards"] = [times.on_gpu(a, b) for a, b in raw["forwards"]]
-    raw["backwards"] = [times.on_gpu(a, b) for a, b in raw["backwards"]]
-    raw["ops_end"] = max(raw["backwards"][-1][1], times.on_gpu(raw["ops_end"], raw["ops_end"])[1])
-    raw["optimizer"] = [times.on_gpu(a, b) for a, b in raw["optimizer"]]
-    # the reducer's copy of a gradient into its bucket is a kernel: its end is when it is in
-    raw["ready"] = [
-        (times.window(g.start, g.end) or (0.0, r))[1]
-        for g, r in zip(raw["grads"], raw["ready"], strict=True)
-    ]
-    ends = [w[1] for c in copies if (w := times.window(c.start, c.end))]
-    raw["copy_end"] = max(ends, default=None)
-    raw["copies"] = []  # no clamping: an NCCL kernel's end is the GPU's own
+    backwards = [times.on_gpu(a, b) for a, b in raw.backwards]
+    ends = [w[1] for c in raw.copies if (w := times.window(c.start, c.end))]
+    return replace(
+        raw,
+        forwards=[times.on_gpu(a, b) for a, b in raw.forwards],
+        backwards=backwards,
+        ops_end=max(backwards[-1][1], times.on_gpu(raw.ops_end, raw.ops_end)[1]),
+        optimizer=[times.on_gpu(a, b) for a, b in raw.optimizer],
+        # the reducer's copy of a gradient into its bucket is a kernel: its end is when it is in
+        ready=[
+            (times.window(g.start, g.end) or (0.0, r))[1]
+            for g, r in zip(raw.grads, raw.ready, strict=True)
+        ],
+        copy_end=max(ends, default=None),
+        copies=[],  # no clamping: an NCCL kernel's end is the GPU's own
+    )
 
 
-def _bucket_sizes(raw: dict[str, Any], logged: list[int] | None) -> tuple[list[int], str]:
-    comms = raw["comms"]
+def _bucket_sizes(raw: _RawStep, logged: list[int] | None) -> tuple[list[int], str]:
     sizes: list[int | None] = []
-    for _, launch, run in comms:
+    for _, launch, run in raw.comms:
         numel = _launch_numel(launch) if launch is not None else None
         if numel is None and run is not None and run.args.get("Input Dims"):
             numel = _numel(run.args["Input Dims"][0])
@@ -494,12 +338,12 @@ def _bucket_sizes(raw: dict[str, Any], logged: list[int] | None) -> tuple[list[i
         sizes.append(numel * width if numel is not None and width else None)
     if all(s is not None for s in sizes):
         return [int(x) for x in sizes if x is not None], "record_shapes"
-    if logged is not None and len(logged) == len(comms):
+    if logged is not None and len(logged) == len(raw.comms):
         return list(logged), "ddp_logging_data"
     if logged is not None:
         raise ValueError(
-            f"the step has {len(comms)} all-reduces but ddp_logging_data lists {len(logged)} "
-            "buckets: is it the same job, after its buckets were rebuilt?"
+            f"the step has {len(raw.comms)} all-reduces but ddp_logging_data lists "
+            f"{len(logged)} buckets: is it the same job, after its buckets were rebuilt?"
         )
     raise ValueError(
         "the all-reduces' sizes were not recorded: profile with record_shapes=True, or pass "
@@ -507,11 +351,11 @@ def _bucket_sizes(raw: dict[str, Any], logged: list[int] | None) -> tuple[list[i
     )
 
 
-def _grad_rows(raw: dict[str, Any], backward_start: float) -> list[dict[str, Any]]:
+def _grad_rows(raw: _RawStep, backward_start: float) -> list[dict[str, Any]]:
     """Each gradient torch's reducer took (one ``mul_out`` each, in its post-accumulate hook),
     with its ready time (:func:`_ready_cpu`, or on GPU its bucket copy's kernel end)."""
     rows = []
-    for g, ready in zip(raw["grads"], raw["ready"], strict=True):
+    for g, ready in zip(raw.grads, raw.ready, strict=True):
         dims = g.args.get("Input Dims")
         numel = _numel(dims[0]) if dims else None
         width = _element_bytes(g)
@@ -545,7 +389,7 @@ def _assign_params(grads: list[dict[str, Any]], sizes: list[int | None]) -> list
     return out if k == len(grads) else None
 
 
-def _completions(raw: dict[str, Any], members: list[list[int]] | None) -> list[float]:
+def _completions(raw: _RawStep, members: list[list[int]] | None) -> list[float]:
     """When each all-reduce was done: the end of its gloo range, unless the trace proves it
     done earlier.
 
@@ -555,54 +399,53 @@ def _completions(raw: dict[str, Any], members: list[list[int]] | None) -> list[f
     bucket b back (``copy_bucket_to_grad``, one per gradient, bucket by bucket) only once b is
     done, and nothing steps the optimizer before every bucket is.
     """
-    ends = [run.end for _, _, run in raw["comms"]]
-    copies = sorted(raw["copies"], key=lambda e: e.start)
+    ends = [run.end for _, _, run in raw.comms]
+    copies = sorted(raw.copies, key=lambda e: e.start)
     if members and len(copies) == sum(len(m) for m in members):
         k = 0
         for b, m in enumerate(members):
             if m:
                 ends[b] = min(ends[b], copies[k].start)
             k += len(m)
-    if raw["optimizer"]:
-        ends = [min(e, raw["optimizer"][0][0]) for e in ends]
-    starts = [run.start for _, _, run in raw["comms"]]
+    if raw.optimizer:
+        ends = [min(e, raw.optimizer[0][0]) for e in ends]
+    starts = [run.start for _, _, run in raw.comms]
     return [max(e, a) for e, a in zip(ends, starts, strict=True)]
 
 
-def _to_step(
-    meta: dict[str, Any],
-    number: int,
-    zero: float,
-    raw: dict[str, Any],
-    origin: float,
-    shift_us: float,
-    logged: list[int] | None,
-    param_names: Sequence[str] | None,
-) -> StepTrace:
-    def ms(t: float) -> float:
-        return (t - zero) / 1e3
+def _compute_spans(raw: _RawStep, ms: Callable[[float], float], ends: list[float]) -> list[Span]:
+    """Forward and backward (one per micro-batch), the end-of-backward wait and the optimizer.
 
+    The wait runs from backward's end until the last bucket is reduced and copied back, but
+    never past the optimizer's start (it cannot step before every bucket is in).
+    """
     spans: list[Span] = []
-    for kind, pairs in (("forward", raw["forwards"]), ("backward", raw["backwards"])):
+    for kind, pairs in (("forward", raw.forwards), ("backward", raw.backwards)):
         for n, (a, b) in enumerate(pairs):
             spans.append(Span(kind if len(pairs) == 1 else f"{kind} {n}", kind, ms(a), ms(b)))
-    try:
-        sizes, size_source = _bucket_sizes(raw, logged)
-    except ValueError as e:
-        raise ValueError(f"{meta['source']}, step {number}: {e}") from None
-    backward_end = raw["backwards"][-1][1]
-    grads = _grad_rows(raw, raw["backwards"][-1][0])
-    members = _assign_params(grads, sizes)
-    ends = _completions(raw, members)
-    copy_end = backward_end if raw["copy_end"] is None else raw["copy_end"]
+    backward_end = raw.backwards[-1][1]
+    copy_end = backward_end if raw.copy_end is None else raw.copy_end
     wait_end = max(max(ends), copy_end, backward_end)
-    if raw["optimizer"]:
-        wait_end = min(wait_end, max(raw["optimizer"][0][0], backward_end))
+    if raw.optimizer:
+        wait_end = min(wait_end, max(raw.optimizer[0][0], backward_end))
     spans.append(Span("wait", "wait", ms(backward_end), ms(wait_end)))
-    for a, b in raw["optimizer"]:
+    for a, b in raw.optimizer:
         spans.append(Span("optimizer", "optimizer", ms(a), ms(b)))
-    backward_start = ms(raw["backwards"][-1][0])
-    for b, (_, launch, run) in enumerate(raw["comms"]):
+    return spans
+
+
+def _bucket_spans(
+    raw: _RawStep,
+    ms: Callable[[float], float],
+    sizes: list[int],
+    grads: list[dict[str, Any]],
+    members: list[list[int]] | None,
+    ends: list[float],
+) -> list[Span]:
+    """Each bucket's ready mark and its all-reduce."""
+    spans: list[Span] = []
+    backward_start = ms(raw.backwards[-1][0])
+    for b, (_, launch, run) in enumerate(raw.comms):
         # ready when its last gradient is in (if the gradients are known), else at its launch
         ready = (
             backward_start + max(grads[k]["ready_ms"] for k in members[b])
@@ -616,29 +459,52 @@ def _to_step(
         spans.append(
             Span(f"all-reduce bucket {b}", "allreduce", ms(run.start), ms(ends[b]), b, sizes[b])
         )
+    return spans
 
-    def name(k: int) -> str:
-        if param_names is not None and len(param_names) == len(grads):
-            # torch DDP's reducer sees parameters in registration order; the ready order is
-            # roughly its reverse, but only the caller can say which gradient is which
-            return str(param_names[k])
-        return f"grad {k}"
 
+def _to_step(
+    meta: dict[str, Any],
+    number: int,
+    zero: float,
+    raw: _RawStep,
+    origin: float,
+    shift_us: float,
+    logged: list[int] | None,
+    param_names: Sequence[str] | None,
+) -> StepTrace:
+    def ms(t: float) -> float:
+        return (t - zero) / 1e3
+
+    try:
+        sizes, size_source = _bucket_sizes(raw, logged)
+    except ValueError as e:
+        raise ValueError(f"{meta['source']}, step {number}: {e}") from None
+    grads = _grad_rows(raw, raw.backwards[-1][0])
+    members = _assign_params(grads, sizes)
+    ends = _completions(raw, members)
+    spans = _compute_spans(raw, ms, ends) + _bucket_spans(raw, ms, sizes, grads, members, ends)
+    # torch DDP's reducer sees parameters in registration order; the ready order is roughly
+    # its reverse, but only the caller can say which gradient is which
+    names = (
+        [str(p) for p in param_names]
+        if param_names is not None and len(param_names) == len(grads)
+        else [f"grad {k}" for k in range(len(grads))]
+    )
     buckets = [
-        {
-            "index": b,
-            "param_names": [name(k) for k in members[b]] if members else [],
-            "nbytes": sizes[b],
-        }
-        for b in range(len(raw["comms"]))
+        Bucket(
+            index=b,
+            param_names=tuple(names[k] for k in members[b]) if members else (),
+            nbytes=sizes[b],
+        )
+        for b in range(len(raw.comms))
     ]
-    lanes = len({run.tid for _, _, run in raw["comms"]})
+    lanes = len({run.tid for _, _, run in raw.comms})
     return StepTrace(
         rank=meta["rank"],
         world_size=meta["world_size"],
         backend=meta["backend"],
-        device="cuda" if raw["gpu"] else "cpu",
-        clock="cuda_event" if raw["gpu"] else "host",
+        device="cuda" if raw.gpu else "cpu",
+        clock="cuda_event" if raw.gpu else "host",
         step=number,
         spans=sorted(spans, key=lambda s: (s.start_ms, s.end_ms)),
         buckets=buckets,
@@ -650,13 +516,13 @@ def _to_step(
             "start_unix_us": meta["base_ns"] / 1e3 + zero,
             "start_ts_us": zero,  # in the file's own timestamps (µs after baseTimeNanoseconds)
             "host": meta["host"],
-            "profiler_step_ms": [ms(raw["window"][0]), ms(raw["window"][1])],
+            "profiler_step_ms": [ms(raw.window[0]), ms(raw.window[1])],
             "bucket_sizes_from": size_source,
             "comm_lanes": max(lanes, 1),
             "grads": grads,
-            "backward_ops_end_ms": ms(raw["ops_end"]),
-            "launch_ms": [ms(launch.start) if launch else None for _, launch, _ in raw["comms"]],
-            "verified": not raw["gpu"],
+            "backward_ops_end_ms": ms(raw.ops_end),
+            "launch_ms": [ms(launch.start) if launch else None for _, launch, _ in raw.comms],
+            "verified": not raw.gpu,
         },
     )
 
@@ -678,7 +544,7 @@ def from_profiler(
     Unusable input is a ``ValueError`` that says what is missing.
     """
     logged = _logged_bucket_sizes(ddp_logging_data)
-    ranks: dict[int, list[tuple[int, float, dict[str, Any], dict[str, Any]]]] = {}
+    ranks: dict[int, list[tuple[int, float, _RawStep, dict[str, Any]]]] = {}
     for label, doc in _documents(source):
         meta, events = _events(label, doc)
         if meta["rank"] in ranks:

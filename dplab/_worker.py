@@ -5,6 +5,10 @@ A function arrives cloudpickled, so a function defined in a notebook cell runs h
 
 Every call carries an id and every reply repeats it, so a reply the parent did not read (an
 interrupted call, a result it could not unpickle) can never be taken for the next call's.
+The rank ignores SIGINT: it runs in its own process group, and an interrupt is the caller's to
+handle (it stops a run it interrupts). A call that destroys the default process group is
+reported with its reply, so the caller can restore the pool.
+
 Each rank also counts the collectives it issues on the default group in a slot of a file the
 parent maps (a flight recorder of one number): when one rank has returned and another has issued
 more collectives than it, the parent knows they can never complete and says so at once.
@@ -29,7 +33,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dplab.launch import CALL_HEADER, STOP
+from dplab.launch.protocol import CALL_HEADER, STOP
 
 _DYNAMIC_FRAME = re.compile(r'  File "<dynamic-code>", line (?P<line>\d+), in (?P<name>\w+)$')
 
@@ -170,7 +174,9 @@ def _name_dynamic_frames(text: str, sources: dict[str, tuple[str, list[str]]]) -
     return "\n".join(out) + "\n"
 
 
-def _run(payload: bytes) -> tuple[str, object]:
+def run_call(payload: bytes) -> tuple[str, object]:
+    """Unpickle one call (:func:`dplab.launch.protocol.pickle_call`), run it, and report
+    ``("ok", pickled result)`` or ``("error", traceback)``; never raises."""
     import cloudpickle
 
     sources: dict = {}
@@ -189,7 +195,16 @@ def _run(payload: bytes) -> tuple[str, object]:
         return "error", f"the rank's return value cannot be pickled: {e!r}"
 
 
+def _group_lost() -> bool:
+    """The call destroyed the default process group (``dist.destroy_process_group()``)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized()
+
+
 def main() -> None:
+    # Interrupts are the caller's (a stop button, a Ctrl-C): it stops a run it interrupts.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(sys.argv[1]))
     logdir = os.environ["DPLAB_LOGDIR"]
     _exit_with_parent(int(os.environ["DPLAB_PARENT_PID"]), int(sys.argv[2]), logdir)
@@ -214,13 +229,14 @@ def main() -> None:
         if message == STOP:
             break
         _, call_id = CALL_HEADER.unpack_from(message)
-        kind, body = _run(message[CALL_HEADER.size :])
+        kind, body = run_call(message[CALL_HEADER.size :])
         sys.stdout.flush()
         sys.stderr.flush()
-        conn.send((call_id, kind, body, counts[rank]))
+        conn.send((call_id, kind, body, counts[rank], _group_lost()))
     import torch.distributed as dist
 
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     conn.close()
 
 

@@ -56,7 +56,7 @@ def no_rank_may_start(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("a rank process was started")
 
-    monkeypatch.setattr(launch_mod.subprocess, "Popen", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
 
 
 # -- 1. a rank that dies while the pool is idle -------------------------------------------------

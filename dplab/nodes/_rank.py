@@ -31,11 +31,11 @@ def _run_call(rundir: Path, rank: int, timeout_s: float) -> int:
     import torch
     import torch.distributed as dist
 
-    from dplab._worker import _run  # the same unpickle-run-report as a Cluster rank
+    from dplab._worker import run_call  # the same unpickle-run-report as a Cluster rank
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-    kind, body = _run((rundir / "call.pkl").read_bytes())
+    kind, body = run_call((rundir / "call.pkl").read_bytes())
     # The time says which rank failed first: its peers fail next, on the connections it closed.
     _write(rundir / f"result{rank}.pkl", pickle.dumps((kind, body, time.time())))
     if kind == "error":

@@ -28,12 +28,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dplab.launch.collect import Replies
+from dplab.launch.errors import RankError, RankTimeout
+from dplab.launch.protocol import pickle_call
 from dplab.nodes.netns import Network, kill_inside
 
 RDZV_PORT = 29400
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(?P<rank>\d+)", re.DOTALL)
 _CPP_FRAME = re.compile(r"^\s*(frame #\d+:|<omitting python frames>|Exception raised from )")
-ERROR_GRACE_S = 2.0  # as dplab.launch: after one rank fails, the others get this long
 _runs = itertools.count()
 
 
@@ -167,9 +169,7 @@ class Nodes:
         """Run ``fn(*args, **kwargs)`` on every rank (process group joined); results by rank."""
         import cloudpickle
 
-        from dplab.launch import _pickle_call  # the same by-value shipping as dplab.launch
-
-        payload = _pickle_call(fn, args, kwargs)
+        payload = pickle_call(fn, args, kwargs)  # the same by-value shipping as dplab.launch
         with _Run(self, [], echo=True, stream=sys.stderr) as run:  # as dplab.launch shows it
             (run.dir / "call.pkl").write_bytes(payload)
             run.start()
@@ -325,37 +325,46 @@ class _Run:
                 out[int(f.name[6:-4])] = pickle.loads(f.read_bytes())
         return out
 
-    def wait(self, *, expect_results: bool) -> dict[int, bytes]:
-        """Wait until every node is done, a rank failed, or a deadline passed; then judge."""
-        from dplab.launch import RankError, RankTimeout
+    def _enter_results(self, replies: Replies) -> dict[int, tuple[str, bytes, float]]:
+        """Enter the result files not seen yet in the books, the earliest written first."""
+        results = self._results()
+        for rank in sorted(results, key=lambda r: results[r][2]):
+            kind, body, _ = results[rank]
+            if rank in replies.pending:
+                if kind == "ok":
+                    replies.ok(rank, body)
+                else:
+                    replies.error(rank, body)
+        return results
 
+    def wait(self, *, expect_results: bool) -> dict[int, bytes]:
+        """Wait until every node is done, a rank failed, or a deadline passed; then judge.
+
+        The books and the clocks are :class:`dplab.launch.collect.Replies`, as for a Cluster's
+        ranks; a node's torchrun that exits with an error starts the same grace period.
+        """
         o = self.owner
         n = o.world_size
         t0 = time.monotonic()
-        grace_end: float | None = None
+        replies = Replies(n, o.timeout_s)
         outcome = "done"
         unreachable: dict[int, str] = {}
         while True:
             self.relay()
-            results = self._results()
-            started = self._started()
+            self._enter_results(replies)
             codes = [p.poll() for p in self.procs]
-            now = time.monotonic()
-            failed = any(res[0] == "error" for res in results.values()) or any(
-                c not in (None, 0) for c in codes
-            )
-            if failed and grace_end is None:
-                grace_end = now + ERROR_GRACE_S
+            if any(c not in (None, 0) for c in codes):
+                replies.failed()
             if all(c is not None for c in codes):
                 break
-            if grace_end is not None and now > grace_end:
+            if replies.grace_end is not None and replies.expired:
                 outcome = "failed"
                 break
-            if len(started) < n and now - t0 > o.rdzv_timeout_s:
+            if len(self._started()) < n and time.monotonic() - t0 > o.rdzv_timeout_s:
                 outcome = "rendezvous"
                 unreachable = self._probe()  # while node 0's store still listens
                 break
-            if now - t0 > o.timeout_s:
+            if replies.expired:
                 outcome = "timeout"
                 break
             time.sleep(0.05)
@@ -366,11 +375,8 @@ class _Run:
             r for r, (_, pid) in self._markers().items() if r not in results and _gone(pid)
         )
         self.stop()
-        results, started = self._results(), self._started()
+        results, started = self._enter_results(replies), self._started()
         o.placement = [started.get(r, -1) for r in range(n)]
-        errors = {r: (t, body) for r, (kind, body, t) in results.items() if kind == "error"}
-        by_time = sorted(errors, key=lambda r: errors[r])
-        tracebacks = {r: body for r, (_, body) in errors.items()}
         # A rank that died without a word (os._exit, a signal, a segfault) is the likelier root
         # cause than the peers that then lost their connections to it and raised.
         if expect_results and died:
@@ -381,19 +387,22 @@ class _Run:
                 f"rank {rank} on node {node} died without reporting a result; node {node}'s "
                 f"torchrun exited with code {self.procs[node].returncode}. Its last output:\n"
                 + self._tail(node),
-                others=tracebacks,
+                others=dict(replies.errors),
+                summary=f"rank {rank} on node {node} died without reporting a result",
             )
-        if errors:
-            first = by_time[0]
-            others = {r: tb for r, tb in tracebacks.items() if r != first}
-            raise RankError(first, tracebacks[first], others=others)
+        replies.raise_errors()
         if len(started) < n:
             self._raise_early_failure(exited)
             self._raise_rendezvous(started, outcome, unreachable)
-        codes = [p.returncode for p in self.procs]
         missing = [r for r in range(n) if r not in results] if expect_results else []
         if outcome == "timeout":
             raise RankTimeout(missing or list(range(n)), o.timeout_s)
+        self._raise_bad_exit(missing, started)
+        return {r: body for r, (_, body, _) in results.items()}
+
+    def _raise_bad_exit(self, missing: list[int], started: dict[int, int]) -> None:
+        """A node's torchrun that failed, or ranks without a result, with no error to show."""
+        codes = [p.returncode for p in self.procs]
         bad = [i for i, c in enumerate(codes) if c != 0]
         if missing or bad:
             node = bad[0] if bad else started[missing[0]]
@@ -405,13 +414,10 @@ class _Run:
                 f"node {node}'s torchrun exited with code {codes[node]}; its last output:\n"
                 + self._tail(node),
             )
-        return {r: body for r, (_, body, _) in results.items()}
 
     def _raise_early_failure(self, exited: list[bool]) -> None:
         """Ranks that torchrun started but that died before their first line (an import error):
         the rendezvous worked, so this is a rank's failure, with torchrun's report."""
-        from dplab.launch import RankError
-
         for node, done in enumerate(exited):
             match = _ROOT_CAUSE.search(self.seen[node].decode(errors="replace"))
             if done and match:

@@ -2,11 +2,13 @@
 
 :mod:`~dplab.ddp.runs` holds the rank functions (``measure_ddp``, ``compare_with_torch``) that
 train and trace DDP steps; they return ``StepTrace`` objects and small dataclasses.
+:class:`~dplab.ddp.textbook.TextbookDDP` is the same mechanism in one class to read
+(``textbook.py``); :class:`DDP` is torch's DistributedDataParallel, argument for argument.
 """
 
 from dplab.ddp.accumulate import accumulate
 from dplab.ddp.buckets import assign_buckets, bucket_plan, first_bucket_cap
-from dplab.ddp.ddp import DDP, ForwardOrderDDP, NaiveDDP, PerParameterDDP
+from dplab.ddp.ddp import DDP
 from dplab.ddp.runs import (
     VARIANTS,
     TorchComparison,
@@ -15,6 +17,8 @@ from dplab.ddp.runs import (
     train_step,
     wrap,
 )
+from dplab.ddp.textbook import TextbookDDP
+from dplab.ddp.variants import ForwardOrderDDP, NaiveDDP, PerParameterDDP
 from dplab.trace.bucket import Bucket
 
 __all__ = [
@@ -24,6 +28,7 @@ __all__ = [
     "ForwardOrderDDP",
     "NaiveDDP",
     "PerParameterDDP",
+    "TextbookDDP",
     "TorchComparison",
     "accumulate",
     "assign_buckets",

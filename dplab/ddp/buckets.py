@@ -32,7 +32,8 @@ from collections.abc import Hashable, Sequence
 from numbers import Real
 from typing import Any
 
-MIB = 1024 * 1024
+from dplab._units import MIB
+
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch's bucket_cap_mb default
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's _DEFAULT_FIRST_BUCKET_BYTES, in MiB
 

@@ -39,6 +39,19 @@ class GradBucket:
         self._shapes = shapes
         self._parameters = parameters
 
+    @classmethod
+    def of(cls, layout: Any, params: list[tuple[str, torch.Tensor]], b: int) -> GradBucket:
+        """Bucket ``b`` of a :class:`~dplab.ddp.layout.Layout` over ``params``."""
+        members = layout.members[b]
+        return cls(
+            b,
+            len(layout.buffers),
+            layout.buffers[b],
+            layout.offsets[b],
+            [params[i][1].shape for i in members],
+            [params[i][1] for i in members],
+        )
+
     def index(self) -> int:
         """The bucket's index: buckets are reduced in index order, the same on every rank."""
         return self._index
@@ -89,6 +102,19 @@ def check_comm_hook(hook: Any) -> None:
             "Communication hook: bucket annotation should be dist.GradBucket, got "
             f"{bucket.annotation!r}"
         )
+
+
+def run_comm_hook(hook: Callable, state: Any, bucket: GradBucket) -> tuple[Any, int]:
+    """Call ``hook`` on ``bucket`` in place of its all-reduce: (its Future, the bytes its
+    collectives carried)."""
+    with count_sent_bytes() as sent:
+        future = hook(state, bucket)
+    if not isinstance(future, torch._C.Future):
+        raise TypeError(
+            f"comm hook {getattr(hook, '__name__', hook)!r} returned {type(future).__name__} "
+            f"for bucket {bucket.index()}; it must return a torch.futures.Future"
+        )
+    return future, sent[0]
 
 
 def hook_result(value: Any, bucket: int) -> torch.Tensor:

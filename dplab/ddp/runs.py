@@ -17,7 +17,8 @@ from torch import nn
 
 from dplab._checks import check_choice, check_count, check_positive_int
 from dplab.ddp.accumulate import accumulate
-from dplab.ddp.ddp import DDP, ForwardOrderDDP, NaiveDDP, PerParameterDDP
+from dplab.ddp.ddp import DDP
+from dplab.ddp.variants import ForwardOrderDDP, NaiveDDP, PerParameterDDP
 from dplab.launch import device as rank_device
 from dplab.models import MODELS, make_batch, make_model
 from dplab.trace import StepMetrics, StepTrace, Tracer

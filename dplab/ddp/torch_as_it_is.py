@@ -19,11 +19,9 @@ against torch, not against dplab's own rules.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,103 +31,16 @@ from torch import nn
 
 from dplab._units import MIB
 from dplab.ddp.ddp import DDP
-from dplab.trace import StepTrace, Tracer
-
-# torch 2.13's _get_ddp_logging_data() keys this module reads (checked: all present on gloo).
-LOGGING_KEYS = (
-    "iteration",
-    "bucket_cap_bytes",
-    "bucket_sizes",
-    "has_rebuilt_buckets",
-    "rebuilt_bucket_sizes",
-    "rebuilt_per_bucket_param_indices",
-    "prev_iteration_grad_ready_order_indices",
-    "num_buckets_reduced",
-    "gradient_as_bucket_view",
-    "broadcast_buffers",
-    "total_parameter_size_bytes",
-    "forward_compute_time",
-    "backward_compute_time",
-    "backward_comm_time",
-    "backward_compute_comm_overlap_time",
-    "backward_compute_time_start",
-    "backward_compute_time_end",
-    "backward_comm_time_start",
-    "backward_comm_time_end",
+from dplab.ddp.torch_probe import (
+    LAST_BUCKET_CAP,
+    LOGGING_KEYS,
+    env_var,
+    linear_stack,
+    torch_logging,
 )
-LIST_KEYS = ("bucket_sizes", "rebuilt_bucket_sizes")
-LAST_BUCKET_CAP = "DDP_SET_LAST_BUCKET_CAP"
-
-
-def linear_stack(
-    width: int = 256, depth: int = 6, *, batchnorm: bool = False, seed: int = 0
-) -> nn.Sequential:
-    """``depth`` × Linear(width, width) with tanh between (BatchNorm1d after each if asked).
-
-    Every layer is one weight and one bias, all the same size, so bucket boundaries are easy to
-    read off parameter counts; ``batchnorm`` gives the model buffers (running statistics).
-    """
-    for name, v in (("width", width), ("depth", depth)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i in range(depth):
-        layers.append(nn.Linear(width, width))
-        if batchnorm:
-            layers.append(nn.BatchNorm1d(width))
-        if i < depth - 1:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers)
-
-
-def _batch(width: int, batch: int, seed: int) -> torch.Tensor:
-    return torch.randn(batch, width, generator=torch.Generator().manual_seed(seed))
-
-
-def _loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return net(x).pow(2).mean()
-
-
-@contextlib.contextmanager
-def env_var(name: str, value: str | None) -> Iterator[None]:
-    """Set (or, with None, unset) an environment variable inside the block, then restore it.
-
-    A warm ``dplab.Cluster`` reuses its processes: a variable left set would change every later
-    DDP built on them.
-    """
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def torch_logging(ddp: nn.parallel.DistributedDataParallel) -> dict[str, Any]:
-    """torch's own logging fields, bucket sizes as lists of ints (torch gives "a, b" strings).
-
-    Times are torch's nanoseconds, as torch logs them. A key torch does not have (yet: the
-    ``rebuilt_*`` ones appear with the rebuild) is left out, except that ``rebuilt_bucket_sizes``
-    is ``[]`` and ``has_rebuilt_buckets`` 0 until torch rebuilds.
-    """
-    data = ddp._get_ddp_logging_data()
-    out: dict[str, Any] = {"rebuilt_bucket_sizes": [], "has_rebuilt_buckets": 0}
-    for key in LOGGING_KEYS:
-        if key not in data:
-            continue
-        value = data[key]
-        if key in LIST_KEYS:
-            value = [int(v) for v in str(value).split(",") if v.strip()]
-        out[key] = value
-    return out
-
+from dplab.ddp.torch_probe import probe_batch as _batch
+from dplab.ddp.torch_probe import probe_loss as _loss
+from dplab.trace import StepTrace, Tracer
 
 # -- 1. buckets: iteration 0, the rebuild, the first bucket, DDP_SET_LAST_BUCKET_CAP ------------
 

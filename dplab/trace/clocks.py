@@ -31,6 +31,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -113,6 +114,30 @@ class WorkerThreads:
         self.close()
 
 
+@dataclass(slots=True)
+class Completion:
+    """When a collective finished, as its completion callback saw it (filled by that callback).
+
+    ``end`` stays None until the callback has run. On GPU only ``end`` is set (a CUDA event).
+    """
+
+    end: Any = None  # the clock's mark, taken as the callback returns
+    thread: int | None = None  # native id of the thread that ran the callback
+    sched: Sched | None = None  # that thread's scheduler counters, read in the callback
+    attached_by: int | None = None  # native id of the thread that attached the callback
+    reading: tuple[int, dict[int, Sched | None]] | None = None  # (time, every worker's counters)
+
+    @property
+    def inline(self) -> bool:
+        """The callback ran on the thread that attached it: the collective was already done,
+        so ``end`` is only an upper bound of its end."""
+        return self.thread is not None and self.thread == self.attached_by
+
+    def __iter__(self) -> Iterator[Any]:
+        """The fields in order (end, thread, sched, attached_by, reading), to unpack."""
+        return iter((self.end, self.thread, self.sched, self.attached_by, self.reading))
+
+
 class HostClock:
     kind = "host"
 
@@ -125,9 +150,10 @@ class HostClock:
     def ms(self, mark: Any, origin: Any) -> float:
         return (mark - origin) / 1e6
 
-    def completion(self, work: Any) -> list[Any]:
-        """A box that the completing thread fills: [time, its native id, its counters, the
-        native id of the thread that attached the callback, (time, every worker's counters)].
+    def completion(self, work: Any) -> Completion:
+        """A :class:`Completion` that the completing thread fills: the time, its native id, its
+        counters, the native id of the thread that attached the callback, and (time, every
+        worker's counters).
 
         The time is taken last, as the callback returns: gloo ends a collective (and
         torch.profiler's range) only after its future's callbacks have run, and a worker that
@@ -138,26 +164,26 @@ class HostClock:
         A collective that finished before the callback was attached fills it at once, on the
         attaching thread: its time is then only an upper bound of the end.
         """
-        box: list[Any] = [None, None, None, threading.get_native_id(), None]
+        box = Completion(attached_by=threading.get_native_id())
         threads = self.threads
 
         def done(_: Any) -> None:
             tid = threading.get_native_id()
-            box[1] = tid
+            box.thread = tid
             if threads is not None:
                 read_at = time.perf_counter_ns()
                 sched = threads.snapshot()
-                box[2] = sched.get(tid)
-                box[4] = (read_at, sched)
-            box[0] = time.perf_counter_ns()
+                box.sched = sched.get(tid)
+                box.reading = (read_at, sched)
+            box.end = time.perf_counter_ns()
 
         future_of(work).then(done)
         return box
 
-    def settle(self, boxes: list[list[Any]], timeout_s: float = 1.0) -> None:
+    def settle(self, boxes: list[Completion], timeout_s: float = 1.0) -> None:
         """Completion callbacks may run just after ``wait()`` returns: give them a moment."""
         deadline = time.monotonic() + timeout_s
-        while any(b[0] is None for b in boxes) and time.monotonic() < deadline:
+        while any(b.end is None for b in boxes) and time.monotonic() < deadline:
             time.sleep(0.0005)
 
 
@@ -177,7 +203,7 @@ class CudaClock:
     def ms(self, mark: Any, origin: Any) -> float:
         return origin.elapsed_time(mark)
 
-    def completion(self, work: Any) -> list[Any]:
+    def completion(self, work: Any) -> Completion:
         """An event on the observer stream that fires when the NCCL work is done.
 
         ``wait()`` of a c10d Work and of a comm hook's CUDA future both make the *current*
@@ -187,9 +213,9 @@ class CudaClock:
         with torch.cuda.stream(self.observer):
             work.wait()
             end.record(self.observer)
-        return [end]
+        return Completion(end=end)
 
-    def settle(self, boxes: list[list[Any]], timeout_s: float = 1.0) -> None:
+    def settle(self, boxes: list[Completion], timeout_s: float = 1.0) -> None:
         torch.cuda.synchronize(self.device)
 
 

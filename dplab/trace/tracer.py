@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 
 from dplab._nested import tensors_in
+from dplab.trace.bucket import Bucket
 from dplab.trace.clocks import (
     Collective,
+    Completion,
     CudaClock,
     HostClock,
     Poll,
@@ -47,12 +49,14 @@ POLLS_PER_LAUNCH = 16
 
 @dataclass
 class _Comm:
+    """One launched collective: its bucket, bytes, launch mark and completion record."""
+
     bucket: int
     nbytes: int
     launch: Any
-    end: list[Any]
-    first_poll: int | None = None
-    attach_poll: int | None = None
+    done: Completion
+    first_poll: int | None = None  # the step's reading taken at its launch
+    attach_poll: int | None = None  # the reading taken once its callback was attached
 
 
 @dataclass
@@ -60,7 +64,7 @@ class _RawStep:
     """Marks of one step, kept unresolved until someone reads ``tracer.steps``."""
 
     start: Any
-    buckets: list[dict[str, Any]]
+    buckets: list[Bucket]
     forwards: list[list[Any]] = field(default_factory=list)
     backwards: list[list[Any]] = field(default_factory=list)  # [start, end]
     ready: list[tuple[int, Any]] = field(default_factory=list)
@@ -79,11 +83,12 @@ class Tracer:
         self._pending: list[_RawStep] = []
         self._current: _RawStep | None = None
         self._clock: Any = None
+        self._now: Any = None  # self._clock.now, once attached
         self._origin: Any = None
         self._origin_ms = 0.0
         self._lanes = 1
         self._info: dict[str, Any] = {}
-        self._buckets: list[dict[str, Any]] = []
+        self._buckets: list[Bucket] = []
         self._step = 0
         self._backward_open = False
         self._last_grad: Any = None
@@ -104,7 +109,7 @@ class Tracer:
         if self._current is not None and self._current.synced:
             self._close()
         if self._pending:
-            self._clock.settle([c.end for raw in self._pending for c in raw.comms])
+            self._clock.settle([c.done for raw in self._pending for c in raw.comms])
             self._done.extend(self._resolve(raw) for raw in self._pending)
             self._pending = []
         return list(self._done)
@@ -134,6 +139,7 @@ class Tracer:
         backend = dist.get_backend(group)
         device = ddp.bucket_buffers[0].device
         self._clock = pick_clock(backend, device)
+        self._now = self._clock.now
         self._lanes = _gloo_threads(group) if backend == "gloo" else 1
         self._threads = self._clock.threads
         self._info = {
@@ -187,10 +193,11 @@ class Tracer:
     def _open_backward(self, mark: Any = None) -> None:
         if not self._backward_open:
             self._backward_open = True
+            self._last_grad = None
             self._current.backwards.append([self._clock.now() if mark is None else mark, None])
 
     def grad_ready(self, index: int) -> None:
-        mark = self._clock.now()
+        mark = self._now()  # called once per gradient: the clock's now(), looked up at attach
         if not self._backward_open:
             self._open_backward(mark)
         self._last_grad = mark
@@ -259,8 +266,10 @@ class Tracer:
             self._poll(mark)
         if self._current.backwards:
             # Backward ends with its last gradient; the engine's callback may run a little later
-            # (on a busy machine, much later), and that time belongs to the wait.
-            self._current.backwards[-1][1] = self._last_grad
+            # (on a busy machine, much later), and that time belongs to the wait. A backward
+            # that reached no parameter (torch.autograd.grad of the input) ends at the callback.
+            last = self._last_grad
+            self._current.backwards[-1][1] = last if last is not None else mark
         self._backward_open = False
         if synced:
             self._current.waits.append([mark, None])
@@ -320,22 +329,23 @@ class Tracer:
         # A completion callback that never ran (it always does within settle()) would end the
         # collective at the end of the wait, the latest it can have finished.
         latest = max((s.end_ms for s in spans if s.kind == "wait"), default=0.0)
-        ends = [ms(c.end[0]) if c.end[0] is not None else latest for c in raw.comms]
+        ends = [ms(c.done.end) if c.done.end is not None else latest for c in raw.comms]
         workers = set(self._threads.tids) if self._threads is not None else set()
+        # the workers' counters read in each completion callback (host clock only)
+        readings = [c.done.reading for c in raw.comms if c.done.reading is not None]
         polls, where = merge_polls(
             [Poll(ms(mark), sched) for mark, sched in raw.polls],
-            [Poll(ms(c.end[4][0]), c.end[4][1]) for c in raw.comms if _read_at_completion(c)],
+            [Poll(ms(read_at), sched) for read_at, sched in readings],
         )
         seen = [
             Collective(
                 launch_ms=ms(c.launch),
                 end_ms=end,
-                thread=c.end[1] if len(c.end) > 1 and c.end[1] in workers else None,
-                end_sched=c.end[2] if len(c.end) > 2 else None,
+                thread=c.done.thread if c.done.thread in workers else None,
+                end_sched=c.done.sched,
                 first_poll=None if c.first_poll is None else where[c.first_poll],
                 attach_poll=None if c.attach_poll is None else where[c.attach_poll],
-                # its callback ran on the thread that attached it: it was already done
-                inline=len(c.end) > 3 and c.end[1] is not None and c.end[1] == c.end[3],
+                inline=c.done.inline,  # already done when its callback was attached
             )
             for c, end in zip(raw.comms, ends, strict=True)
         ]
@@ -368,8 +378,8 @@ class Tracer:
     @staticmethod
     def _nbytes_of(raw: _RawStep, bucket: int) -> int | None:
         for b in raw.buckets:
-            if b["index"] == bucket:
-                return b["nbytes"]
+            if b.index == bucket:
+                return b.nbytes
         return None
 
 
@@ -382,11 +392,6 @@ def pick_clock(backend: str, device: torch.device) -> HostClock | CudaClock:
     if backend == "nccl" and device.type == "cuda":
         return CudaClock(device)
     return HostClock(WorkerThreads.find() if backend == "gloo" else None)
-
-
-def _read_at_completion(comm: _Comm) -> bool:
-    """Whether the collective's completion callback read the workers' counters (host clock)."""
-    return len(comm.end) > 4 and comm.end[4] is not None
 
 
 def _gloo_threads(group: Any) -> int:

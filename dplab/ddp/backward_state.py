@@ -1,0 +1,99 @@
+"""What dplab.DDP's hooks keep during one backward, and the hooks themselves.
+
+A plain object with slots, not attributes of the DDP: ``nn.Module.__setattr__`` is slow, and the
+hooks change this state once per gradient. It is replaced by a fresh one at the end of every
+backward (or at the next forward, if a backward died half-way).
+
+The hooks hold the DDP only through a weak reference, so that a dropped wrapper is collected (and
+its hooks removed) instead of being kept alive by its own parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class BackwardState:
+    """The hooks' bookkeeping for one backward."""
+
+    __slots__ = (
+        "got_grad",
+        "in_place",
+        "in_place_count",
+        "next_bucket",
+        "no_grad",
+        "open",
+        "pending",
+        "queued",
+        "ready",
+        "unused_marked",
+        "works",
+    )
+
+    def __init__(self, n_params: int, bucket_sizes: list[int]):
+        self.open = False  # a synchronising backward began and has not finished
+        self.queued = False  # its end-of-backward callback is queued
+        self.got_grad = False  # a parameter's hook ran: this backward reduces (else: no sync)
+        self.unused_marked = False  # the parameters this backward cannot reach are marked ready
+        self.ready = [False] * n_params
+        self.pending = list(bucket_sizes)  # per bucket: gradients still to come
+        self.next_bucket = 0  # buckets launch strictly in order: the next one to launch
+        self.works: list[Any] = []  # one future per launched bucket
+        self.no_grad: set[int] = set()  # parameters with no .grad when their bucket launched
+        self.in_place = [False] * n_params  # .grad already was its bucket view
+        self.in_place_count = [0] * len(bucket_sizes)
+
+
+def param_hook(ref: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
+    """Parameter ``i``'s post-accumulate-grad hook: its gradient is in."""
+
+    def hook(param: torch.Tensor) -> None:
+        ddp = ref()
+        if ddp is not None:
+            ddp._on_grad(i, param)
+
+    return hook
+
+
+def output_hook(ref: weakref.ref, generation: int) -> Callable[[torch.Tensor], None]:
+    """A forward output's hook: the gradient reached it, so the user's backward has begun."""
+
+    def hook(grad: torch.Tensor) -> None:
+        ddp = ref()
+        if ddp is not None:
+            ddp._on_output_grad(generation)
+
+    return hook
+
+
+def unreachable(roots: list[torch.Tensor], index: dict[int, int]) -> list[int]:
+    """Trainable parameters the autograd graph of ``roots`` never reaches (torch's search for
+    ``find_unused_parameters``). ``index`` maps ``id(parameter)`` to its index."""
+    seen: set[Any] = set()
+    reached: set[int] = set()
+    stack = [t.grad_fn for t in roots]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None and id(variable) in index:
+            reached.add(index[id(variable)])
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+    return [i for i in range(len(index)) if i not in reached]
+
+
+def globally_unused(used: set[int], n: int, device: torch.device, group: Any) -> set[int]:
+    """Parameters no rank used since the last sync (``used``: those this rank did): one small
+    all-reduce. Their ``.grad`` stays untouched, as in torch."""
+    flags = torch.zeros(n, dtype=torch.int32, device=device)
+    if used:
+        flags[sorted(used)] = 1
+    dist.all_reduce(flags, group=group)
+    return {i for i, u in enumerate(flags.tolist()) if u == 0}

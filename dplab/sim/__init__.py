@@ -40,6 +40,7 @@ from dplab.sim.profile import (
     profile_from_ranks,
     profile_rank,
 )
+from dplab.sim.sharded import UnitProfile, simulate_sharded, zero3_costs
 from dplab.sim.validation import BandError, validation_bands
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "Fabric",
     "Link",
     "ParamTiming",
+    "UnitProfile",
     "best_bucket_cap",
     "candidate_caps",
     "comm_time_ms",
@@ -71,8 +73,10 @@ __all__ = [
     "profile_rank",
     "schedule",
     "simulate",
+    "simulate_sharded",
     "sweep",
     "validation_bands",
     "verdict",
     "with_straggler",
+    "zero3_costs",
 ]

@@ -11,6 +11,7 @@ from dplab.viz.mechanics import (
 )
 from dplab.viz.memory import fit_figure, memory_bars, memory_vs_world_size, world_size_curves
 from dplab.viz.regime import regime_figure
+from dplab.viz.sharded import zero3_cost_figure
 from dplab.viz.sweep import sweep_figure
 from dplab.viz.timeline import timeline_figure
 
@@ -30,4 +31,5 @@ __all__ = [
     "timeline_figure",
     "traffic_figure",
     "world_size_curves",
+    "zero3_cost_figure",
 ]

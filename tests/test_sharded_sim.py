@@ -1,0 +1,189 @@
+"""dplab.sim.sharded: the sharded step laid out by hand-checkable arithmetic, then its calibration
+read from real gloo ranks (dplab.sharding.unit_profile, timed_step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dplab.collectives.cost import ring_time
+from dplab.sim import Fabric, Link
+from dplab.sim.sharded import (
+    UnitProfile,
+    links_from_ranks,
+    simulate_sharded,
+    unit_profile_from_ranks,
+    zero3_costs,
+    zero3_costs_more_at,
+)
+from dplab.viz import zero3_cost_figure
+
+LINK = Link("test", alpha_s=1e-3, bandwidth_Bps=1e6)  # 1 ms per step, 1 MB/s: easy sums
+MB = 1_000_000
+
+
+def profile(fwd: float = 10.0) -> UnitProfile:
+    return UnitProfile(
+        root_bytes=MB,
+        block_bytes=(2 * MB, 2 * MB),
+        root_forward_ms=(1.0, 2.0),
+        block_forward_ms=(fwd, fwd),
+        root_backward_ms=(2.0, 4.0),
+        block_backward_ms=(2 * fwd, 2 * fwd),
+        optimizer_ms={"ddp": 8.0},
+    )
+
+
+def ar_ms(nbytes: float, n: int = 2) -> float:
+    return 1e3 * ring_time(nbytes, n, LINK.alpha_s, LINK.beta_s_per_byte)
+
+
+def test_serial_zero3_is_compute_plus_every_collective():
+    p = profile()
+    got = simulate_sharded(p, "zero3", LINK, 2, prefetch=False)
+    # gathers: root once, each block in forward and again in backward; reduce-scatters: 3 units
+    gathers = ar_ms(MB) / 2 + 2 * 2 * ar_ms(2 * MB) / 2
+    scatters = ar_ms(MB) / 2 + 2 * ar_ms(2 * MB) / 2
+    assert got.step_ms == pytest.approx(p.compute_ms + 8.0 / 2 + gathers + scatters)
+    assert got.comm_ms == pytest.approx(gathers + scatters)
+    names = [s.name for s in got.spans if s.lane == "comm"]
+    assert sum("all_gather" in n for n in names) == 5
+    assert sum("reduce_scatter" in n for n in names) == 3
+
+
+def test_zero2_skips_backwards_gathers_and_gloo_scatters_cost_an_all_reduce():
+    p = profile()
+    zero2 = simulate_sharded(p, "zero2", LINK, 2, prefetch=False)
+    assert not any("(backward)" in s.name for s in zero2.spans)
+    gloo = simulate_sharded(p, "zero2", LINK, 2, prefetch=False, backend="gloo")
+    extra = (ar_ms(MB) + 2 * ar_ms(2 * MB)) / 2  # each reduce-scatter is a whole all-reduce
+    assert gloo.step_ms - zero2.step_ms == pytest.approx(extra)
+
+
+def test_prefetch_hides_gathers_behind_the_neighbouring_units_compute():
+    p = profile(fwd=50.0)  # on the fast link each gather (< 2 ms) is shorter than a block
+    fast = Link("fast", alpha_s=1e-4, bandwidth_Bps=1e9)
+    serial = simulate_sharded(p, "zero3", fast, 4, prefetch=False)
+    overlapped = simulate_sharded(p, "zero3", fast, 4, prefetch=True)
+    assert overlapped.step_ms < serial.step_ms
+    assert overlapped.step_ms >= p.compute_ms
+    # what is left exposed: the root's first gather, the first block's, the last scatter
+    assert overlapped.exposed_comm_ms < 0.5 * serial.exposed_comm_ms
+
+
+def test_ddp_one_bucket_and_one_rank():
+    p = profile()
+    ddp = simulate_sharded(p, "ddp", LINK, 2)
+    assert ddp.step_ms == pytest.approx(p.compute_ms + ar_ms(p.param_bytes) + 8.0)
+    small = simulate_sharded(p, "ddp", LINK, 2, bucket_cap_mb=1)  # a bucket per unit: overlap
+    assert small.step_ms < ddp.step_ms
+    for m in ("ddp", "zero1", "zero2", "zero3"):
+        one = simulate_sharded(p, m, LINK, 1)
+        assert one.step_ms == pytest.approx(p.compute_ms + 8.0) and one.comm_ms == 0
+
+
+def test_zero1_adds_the_weights_all_gather_after_a_sharded_optimizer():
+    p = profile()
+    zero1 = simulate_sharded(p, "zero1", LINK, 2)
+    ddp = simulate_sharded(p, "ddp", LINK, 2)
+    assert zero1.step_ms - ddp.step_ms == pytest.approx(ar_ms(p.param_bytes) / 2 - 8.0 / 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "bad"),
+    [
+        ({"method": "zero4"}, "zero4"),
+        ({"backend": "mpi"}, "mpi"),
+        ({"world_size": 0}, "0"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, bad):
+    args = {"method": "zero3", "world_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=bad):
+        simulate_sharded(profile(), args.pop("method"), LINK, args.pop("world_size"), **args)
+
+
+def test_profile_needs_a_time_per_block():
+    with pytest.raises(ValueError, match="2 blocks, 1 forward"):
+        UnitProfile(0, (1, 1), (0, 0), (1.0,), (0, 0), (1.0, 1.0), {"ddp": 1.0})
+
+
+def test_zero3_costs_more_across_a_slow_network_than_inside_a_node():
+    block = 400e6  # bf16 bytes of a 7B-like model's block; 4k tokens of compute per GPU
+    p = UnitProfile.uniform(32, block, 2 * 200e6 * 4096 / 400e12 * 1e3, optimizer_ms=5.0)
+    rows = zero3_costs(
+        p, [Fabric.preset("aws-p4d", nodes=k) for k in (1, 4, 16)], bytes_per_param=2
+    )
+    assert rows[0].extra_fraction < 0.05 < rows[-1].extra_fraction
+    assert zero3_costs_more_at(rows, 0.10) in (32, 128)
+    assert rows[-1].saved_bytes == pytest.approx(16 * 32 * 200e6 * (1 - 1 / 128))
+    fig = zero3_cost_figure({"aws-p4d": rows})
+    assert len(fig.data) == 2 and list(fig.data[0].x) == [8, 32, 128]
+    with pytest.raises(ValueError, match="no ZeRO-3 cost rows"):
+        zero3_cost_figure({})
+
+
+def _rank(world: int, a: float, b: float) -> dict:
+    step = {
+        "f0<": 1.0,
+        "f0>": 3.0,
+        "f1<": 3.0,
+        "f1>": 5.0,
+        "forward": 7.0,
+        "b1<": 10.0,
+        "b1>": 14.0,
+        "b0<": 14.0,
+        "b0>": 18.0,
+        "backward": 20.0,
+        "optimizer": 4.0,
+    }
+    colls = [
+        (op, s, (1 if op == "all_reduce" else 0.5) * 1e3 * ring_time(s, world, a, b))
+        for s in (4096, 1 << 20)
+        for op in ("all_reduce", "all_gather")
+    ]
+    return {
+        "rank": 0,
+        "world_size": world,
+        "steps": [step] * 3,
+        "unit_bytes": [10, 20, 20],
+        "tensor_bytes": [10, 20, 20],
+        "collectives": colls,
+        "optimizer_ms": {"zero1": 2.0},
+        "alone_ms": {"ddp": 25.0, "zero3": 40.0},
+    }
+
+
+def test_calibration_is_read_back_from_rank_data():
+    ranks = [_rank(4, 2e-4, 1e-9), None]
+    p = unit_profile_from_ranks(ranks)
+    assert p.block_forward_ms == (2.0, 2.0) and p.root_forward_ms == (1.0, 2.0)
+    assert p.block_backward_ms == (4.0, 4.0) and p.root_backward_ms == (2.0, 3.0)
+    assert p.optimizer_ms["zero1"] == 2.0 and p.overhead_ms["zero3"] == pytest.approx(16.0)
+    ar, ag = links_from_ranks(ranks)
+    for link in (ar, ag):
+        assert link.alpha_s == pytest.approx(2e-4, rel=1e-6)
+        assert link.beta_s_per_byte == pytest.approx(1e-9, rel=1e-6)
+    with pytest.raises(ValueError, match="no rank"):
+        unit_profile_from_ranks([None])
+
+
+def test_unit_profile_and_timed_step_on_real_ranks():
+    import dplab
+    from dplab.sharding import fsdp2_available
+    from dplab.sharding.step_time import timed_step
+    from dplab.sharding.unit_profile import unit_profile
+
+    if not fsdp2_available():
+        pytest.skip("this torch has no FSDP2")
+    with dplab.Cluster(2, backend="gloo") as cluster:
+        raw = cluster.run(unit_profile, steps=2, warmup=1, repeats=2)
+        times = cluster.run(timed_step, "zero3", steps=2, warmup=1)
+    p = unit_profile_from_ranks(raw)
+    assert len(p.block_bytes) == 2 and p.param_bytes == sum(raw[0]["tensor_bytes"])
+    assert min(p.block_forward_ms + p.block_backward_ms) > 0
+    assert set(p.overhead_ms) == {"ddp", "zero1", "zero2", "zero3"}
+    assert all(len(t) == 2 and min(t) > 0 for t in times)
+    ar, _ = links_from_ranks(raw)
+    assert simulate_sharded(p, "zero3", ar, 2, backend="gloo").step_ms > p.compute_ms
+    with pytest.raises(ValueError, match="'zero9'"):
+        timed_step("zero9")

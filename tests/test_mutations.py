@@ -48,9 +48,17 @@ LESSON_CELLS = {
     ],
     "08_ddp.ipynb": [
         "cdff95d1",  # imports, the pool, MODEL, measure, every_step, median
+        "b013b8ed", "s8-grads",  # §1: the bucket map; a multi-bucket plan's gradient values
         "fea0c5bd", "c355d019", "6a803d81",  # §2: naive, per-parameter, bucketed
+        "s8-ready",  # §2: each bucket launched as soon as it is ready, timed by the ranks
         "5b9e2f47", "c8f06a1d",  # §2: overlap by its definition, on a comms-bound model
         "4ca31f54", "7a523b33",  # §4: the exposed last bucket
+    ],
+    "08a_torch_ddp_as_it_is.ipynb": [
+        "s8c-01",  # imports, the pool
+        "s8a-rank0",  # the rebuild takes rank 0's order, whatever each rank saw
+        "s8a-group",  # DDP averages over its own process group
+        "s8c-24",  # close the pool
     ],
 }  # fmt: skip
 
@@ -108,6 +116,62 @@ MUTATIONS = [
         "    exposed = union(comm)\n",
         "08 §4: with small communication, every bucket but the last is hidden",
         "7a523b33",
+    ),
+    Mutation(
+        "weights_all_reduced_not_gradients",
+        "ddp/layout.py",
+        "        grads = [p.grad for p in layout.member_params[b]]\n",
+        "        grads = [p.detach() for p in layout.member_params[b]]\n",
+        "03 §3.3: what the all-reduce carried is the rank's own gradient (÷ N), not its weights",
+        "s3-19",
+    ),
+    Mutation(
+        "offset_error_in_the_bucket_layout",
+        "ddp/layout.py",
+        "            view = buffer[offset : offset + p.numel()].view_as(p)\n",
+        "            view = buffer[max(offset - 1, 0) :][: p.numel()].view_as(p)\n",
+        "08 §1: on a multi-bucket plan each .grad is the hand-made average, tensor by tensor",
+        "s8-grads",
+    ),
+    Mutation(
+        "launch_one_bucket_late",
+        "ddp/ddp.py",
+        "        while st.next_bucket < len(st.pending) and st.pending[st.next_bucket] == 0:\n",
+        "        while st.next_bucket < len(st.pending) and st.pending[st.next_bucket] == 0 and (\n"
+        "            st.next_bucket + 1 == len(st.pending) or st.pending[st.next_bucket + 1] == 0\n"
+        "        ):  # bucket b waits for bucket b + 1 (all of them go at the end)\n",
+        "08 §2: bucket 0's all-reduce is in flight while backward still computes",
+        "6a803d81",
+    ),
+    Mutation(
+        "launch_after_a_fixed_delay",
+        "ddp/ddp.py",
+        "    def _launch(self, b: int) -> None:\n",
+        "    def _launch(self, b: int) -> None:\n        __import__('time').sleep(0.005)\n",
+        "08 §2: each bucket is launched as soon as its last gradient is in (timed by the ranks)",
+        "s8-ready",
+    ),
+    Mutation(
+        "default_group_world_size",
+        "ddp/ddp.py",
+        "        self.world_size = dist.get_world_size(self.process_group)\n",
+        "        self.world_size = dist.get_world_size()\n",
+        "08a §8: DDP in a group of one rank gives that rank's own gradient, as torch's does",
+        "s8a-group",
+    ),
+    Mutation(
+        "rebuild_on_each_ranks_own_order",
+        "ddp/ddp.py",
+        "        if self.rank == 0 and len(self._ready_order) == len(self._params):\n"
+        "            order[:] = torch.tensor(self._ready_order)\n"
+        "        order = order.to(self._comm_device)\n"
+        "        if self.world_size > 1:\n"
+        "            dist.broadcast(order, src=self._src, group=self.process_group)\n",
+        "        if len(self._ready_order) == len(self._params):\n"
+        "            order[:] = torch.tensor(self._ready_order)\n"
+        "        order = order.to(self._comm_device)\n",
+        "08a §1: ranks whose ready orders differ still rebuild the same buckets (rank 0's)",
+        "s8a-rank0",
     ),
 ]
 

@@ -67,6 +67,52 @@ class MemoryWall(w.VBox):
         recompute: str = "none",
     ):
         n_params = check_n_params(n_params)
+        self._model_controls(model, n_params, precision, optimizer, gpu)
+        # IntText, not BoundedIntText: a bad number must reach the check and be explained.
+        self.micro_batch = w.IntText(micro_batch, description="micro-batch", style=_STYLE)
+        self.seq_len = w.IntText(seq_len, description="sequence length", style=_STYLE)
+        self.world_size = w.IntText(world_size, description="world size N", style=_STYLE)
+        self.zero_stage = w.Dropdown(
+            options=[(label, k) for k, label in STAGE_LABELS.items()],
+            value=zero_stage,
+            description="ZeRO stage",
+            style=_STYLE,
+        )
+        self.recompute = w.Dropdown(
+            options=list(RECOMPUTE), value=recompute, description="recompute", style=_STYLE
+        )
+        self.verdict = w.HTML()
+        self.message = w.HTML()
+        self.figure = go.FigureWidget()
+        self.fit: Fit | None = None
+
+        controls = [
+            self.model,
+            self.n_params,
+            self.precision,
+            self.optimizer,
+            self.gpu,
+            self.micro_batch,
+            self.seq_len,
+            self.world_size,
+            self.zero_stage,
+            self.recompute,
+        ]
+        for control in controls:
+            control.observe(self._on_change, names="value")
+        left = w.VBox(controls[:5])
+        right = w.VBox(controls[5:])
+        super().__init__([w.HBox([left, right]), self.message, self.verdict, self.figure])
+        classed(self, "dplab-memory-wall")  # stable hooks for the browser tests
+        classed(self.model, "dplab-model")
+        classed(self.verdict, "dplab-verdict")
+        self.update()
+
+    def _model_controls(
+        self, model: str, n_params: float, precision: str, optimizer: str, gpu: str
+    ) -> None:
+        """What is trained and on what: the model (or a parameter count), the precision recipe,
+        the optimizer, the GPU."""
         self.model = w.Dropdown(
             options=[
                 (f"{m.name} ({fmt_params(m.n_params).removesuffix(' params')})", k)
@@ -111,45 +157,6 @@ class MemoryWall(w.VBox):
             style=_STYLE,
             layout=_WIDE,
         )
-        # IntText, not BoundedIntText: a bad number must reach the check and be explained.
-        self.micro_batch = w.IntText(micro_batch, description="micro-batch", style=_STYLE)
-        self.seq_len = w.IntText(seq_len, description="sequence length", style=_STYLE)
-        self.world_size = w.IntText(world_size, description="world size N", style=_STYLE)
-        self.zero_stage = w.Dropdown(
-            options=[(label, k) for k, label in STAGE_LABELS.items()],
-            value=zero_stage,
-            description="ZeRO stage",
-            style=_STYLE,
-        )
-        self.recompute = w.Dropdown(
-            options=list(RECOMPUTE), value=recompute, description="recompute", style=_STYLE
-        )
-        self.verdict = w.HTML()
-        self.message = w.HTML()
-        self.figure = go.FigureWidget()
-        self.fit: Fit | None = None
-
-        controls = [
-            self.model,
-            self.n_params,
-            self.precision,
-            self.optimizer,
-            self.gpu,
-            self.micro_batch,
-            self.seq_len,
-            self.world_size,
-            self.zero_stage,
-            self.recompute,
-        ]
-        for control in controls:
-            control.observe(self._on_change, names="value")
-        left = w.VBox(controls[:5])
-        right = w.VBox(controls[5:])
-        super().__init__([w.HBox([left, right]), self.message, self.verdict, self.figure])
-        classed(self, "dplab-memory-wall")  # stable hooks for the browser tests
-        classed(self.model, "dplab-model")
-        classed(self.verdict, "dplab-verdict")
-        self.update()
 
     def _on_change(self, change: dict) -> None:
         self.update()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dplab.cli._args import CliError, check_ranks, fail, world_size
+from dplab.cli._args import CliError, check_ranks, fail, launched_world_size, world_size
 
 
 def _check_allreduce() -> float:
@@ -21,9 +21,10 @@ def _check_allreduce() -> float:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Print what this machine offers and prove that ranks can all-reduce."""
+    n = launched_world_size(args.world_size)  # under torchrun (cluster -- check): its ranks
     try:
-        world_size("--world-size", args.world_size)
-        check_ranks(args.world_size)
+        world_size("--world-size", n)
+        check_ranks(n)
     except CliError as e:
         return fail(str(e))
     import platform
@@ -50,18 +51,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     gpus = gpu_count()
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
     print(f"GPUs: {gpus}" + (f" ({', '.join(names)})" if names else ""))
-    backend = resolve_backend(args.backend, args.world_size)
-    print(f"running a {args.world_size}-rank all-reduce on {backend} ...", flush=True)
+    backend = resolve_backend(args.backend, n)
+    print(f"running a {n}-rank all-reduce on {backend} ...", flush=True)
     try:
-        out = dplab.launch(_check_allreduce, args.world_size, backend=backend, timeout_s=120)
+        out = dplab.launch(_check_allreduce, n, backend=backend, timeout_s=120)
     except Exception as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
-    expected = args.world_size * (args.world_size + 1) / 2
+    expected = n * (n + 1) / 2
     if any(s != expected for s in out):
         print(f"FAILED: all-reduce gave {out}, expected {expected} on every rank", file=sys.stderr)
         return 1
-    print(f"ok: every rank holds {expected:g} = 1 + … + {args.world_size}")
+    print(f"ok: every rank holds {expected:g} = 1 + … + {n}")
     return 0
 
 

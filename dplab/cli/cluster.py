@@ -20,6 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dplab.cli._args import CliError, check_ranks, fail, positive_float, positive_int
+
+MAX_NODES = 250  # the switch's /24 subnet (dplab.nodes.Network)
+LINK_MBIT_RANGE = (0.1, 100_000.0)  # what tc's tbf shapes faithfully (dplab.nodes.netns)
+
 
 def ring_crossings(placement: list[int]) -> list[tuple[int, int]]:
     """The hops (r, r+1 mod N) of the rank ring whose two ends sit on different nodes.
@@ -42,9 +47,33 @@ def _out_folder(rest: list[str]) -> str | None:
     return None
 
 
+def check_cluster_args(args: argparse.Namespace) -> int:
+    """Every number, and the machine's room for the ranks, before a namespace is made: a bad
+    one used to end in a traceback from deep inside ``Nodes``, and 2 nodes of 20 ranks started
+    40 torch processes on 2 cores. Returns the world size."""
+    nodes = positive_int("--nodes", args.nodes)
+    if nodes > MAX_NODES:
+        raise CliError(f"--nodes {nodes}: at most {MAX_NODES} nodes (one /24 subnet)")
+    per_node = positive_int("--ranks-per-node", args.ranks_per_node)
+    if args.link_mbit is not None:
+        low, high = LINK_MBIT_RANGE
+        rate = positive_float("--link-mbit", args.link_mbit)
+        if not low <= rate <= high:
+            raise CliError(
+                f"--link-mbit {args.link_mbit!r}: a link is shaped between {low:g} and "
+                f"{high:g} Mbit/s (omit --link-mbit for an unshaped link)"
+            )
+    positive_float("--timeout-s", args.timeout_s)
+    return check_ranks(nodes * per_node, flag=f"--nodes {nodes} × --ranks-per-node {per_node}")
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from dplab.nodes import Nodes, NodesUnavailable
 
+    try:
+        check_cluster_args(args)
+    except CliError as e:
+        return fail(str(e))
     rest = list(args.command)
     if rest and rest[0] == "--":
         rest = rest[1:]

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dplab.cli._args import CliError, cap_mb, check_output_file, fail
+from dplab.cli._args import CliError, cap_mb, check_output_file, display_path, fail
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Path, Any]:
@@ -67,7 +67,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if d.simulated_best is not None and d.best_cap_mb != d.current_cap_mb:
         panels.append([d.simulated_best])
         titles.append(f"predicted at {d.best_cap_mb:.3g} MiB ({d.link.name})")
-    fig = timeline_figure(panels, panel_titles=titles, title="dplab doctor: " + str(args.trace_dir))
+    title = "dplab doctor: " + display_path(args.trace_dir)  # a non-UTF-8 name: plotly refuses
+    fig = timeline_figure(panels, panel_titles=titles, title=title)
     write_atomic(out, fig.to_html(include_plotlyjs=True, full_html=True))
     print(f"timeline: {out}")
     return 0

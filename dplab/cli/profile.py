@@ -11,7 +11,16 @@ import json
 import sys
 
 from dplab._units import MIB
-from dplab.cli._args import CliError, check_output_file, check_ranks, count, fail, positive_int
+from dplab.cli._args import (
+    JSON_BYTES,
+    CliError,
+    check_output_file,
+    check_ranks,
+    count,
+    fail,
+    positive_int,
+    write_failed,
+)
 from dplab.models import MODELS
 from dplab.sim import measure_profile
 from dplab.trace.files import write_atomic
@@ -25,7 +34,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             positive_int(flag, getattr(args, flag[2:].replace("-", "_")))
         for flag in ("--warmup", "--contention-repeats"):
             count(flag, getattr(args, flag[2:].replace("-", "_")))
-        check_output_file(args.out, what="--out")
+        check_output_file(args.out, what="--out", needs_bytes=JSON_BYTES)
         check_ranks(args.world_size)
     except CliError as e:
         return fail(str(e))
@@ -47,7 +56,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         return fail(str(e))
-    write_atomic(args.out, json.dumps(profile.to_dict(), indent=1) + "\n")
+    try:
+        write_atomic(args.out, json.dumps(profile.to_dict(), indent=1) + "\n")
+    except OSError as e:
+        return write_failed("--out", args.out, e)
     print(
         f"{len(profile.params)} parameters, {profile.total_bytes / MIB:,.2f} MiB of gradients; "
         f"forward {profile.forward_ms:,.1f} ms, backward {profile.backward_ms:,.1f} ms, "

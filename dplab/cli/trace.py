@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from dplab.cli._args import (
+    PAGE_BYTES,
     CliError,
     cap_mb,
     check_ranks,
@@ -26,6 +27,7 @@ from dplab.cli._args import (
     count,
     fail,
     positive_int,
+    write_failed,
 )
 
 
@@ -52,7 +54,8 @@ def check_trace_args(args: argparse.Namespace, world_size: int) -> Path:
         raise CliError(f"--out: {str(e).replace('overwrite=True', '--overwrite')}") from None
     except (NotADirectoryError, ValueError) as e:
         raise CliError(f"--out {args.out!r}: {e}") from None
-    check_writable_folder(out.absolute().parent, what="--out")
+    # the timeline page embeds plotly.js; the rank files and trace.json are small beside it
+    check_writable_folder(out.absolute().parent, what="--out", needs_bytes=PAGE_BYTES)
     check_ranks(world_size)
     return out
 
@@ -115,10 +118,14 @@ def _trace(args: argparse.Namespace, world_size: int) -> int:
         title=f"{args.model}, {world_size} ranks, bucket cap {args.bucket_cap_mb} MiB",
     )
     html = fig.to_html(include_plotlyjs=True, full_html=True)
-    # One rename puts the traces and the timeline in place together.
-    paths = save_run(
-        steps, args.out, meta, overwrite=args.overwrite, extra_files={"timeline.html": html}
-    )
+    # One rename puts the traces and the timeline in place together; a disk that filled during
+    # the run fails before it, so a run already in --out is still whole.
+    try:
+        paths = save_run(
+            steps, args.out, meta, overwrite=args.overwrite, extra_files={"timeline.html": html}
+        )
+    except OSError as e:
+        return write_failed("--out", args.out, e)
     last = steps[0][-1].metrics
     print(
         f"{len(steps[0])} steps on {world_size} ranks ({steps[0][-1].backend}); "

@@ -73,7 +73,7 @@ def rank_state(
     import dplab
 
     rank = dist.get_rank()
-    group, world = _sub_group(group_size)
+    group, world = sub_group(group_size)
     if rank >= world:
         return None
     device = dplab.device()
@@ -110,7 +110,7 @@ def rank_state(
     }
 
 
-def _sub_group(group_size: int | None) -> tuple[Any, int]:
+def sub_group(group_size: int | None) -> tuple[Any, int]:
     """The process group of the first ``group_size`` ranks (None: the default group) and its
     size. Every rank must call it: creating a group is itself a collective."""
     import torch.distributed as dist

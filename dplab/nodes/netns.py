@@ -14,7 +14,9 @@ The layout, for ``k`` nodes::
 Everything lives in namespaces created here (``dplab-n<owner pid>-<seq>-k<i>`` and ``...-sw``);
 the veths are created directly inside them, so nothing in the root namespace changes, and
 deleting the namespaces deletes the links. Namespaces whose owner pid is dead are leftovers of
-a crashed run: :func:`remove_leftovers` deletes them (every :class:`Network` calls it first).
+a crashed run: :func:`remove_leftovers` deletes them (every :class:`Network` calls it first),
+and with them the run folders ``dplab-nodes-<owner pid>-*`` in the temp dir, which the owner and
+its reaper remove but which outlive both when both are SIGKILLed.
 Only bandwidth can be shaped: this kernel has ``tbf`` but no ``netem``, so no delay is added.
 """
 
@@ -27,6 +29,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from numbers import Real
@@ -37,6 +40,9 @@ from dplab.env import pid_alive
 PREFIX = "dplab-n"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(?P<pid>\d+)-(?P<seq>\d+)-(?P<role>k\d+|sw)$")
 SUBNET = "10.77.0"
+# dplab.nodes.Nodes names its run folder so: tempfile.mkdtemp(prefix=f"dplab-nodes-{pid}-")
+FOLDER_PREFIX = "dplab-nodes-"
+_FOLDER = re.compile(rf"^{re.escape(FOLDER_PREFIX)}(?P<pid>\d+)-")
 NEEDS = (
     "multi-node runs need root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's `ip` and "
     "`tc` (with the tbf qdisc) on Linux"
@@ -115,11 +121,28 @@ def delete_netns(names: list[str]) -> None:
 
 
 def remove_leftovers() -> list[str]:
-    """Delete the namespaces of runs whose owner process is dead; return their names."""
+    """Delete the namespaces, then the run folders, of runs whose owner process is dead;
+    return the namespaces' names."""
     stale = [n for n in ours() if not pid_alive(int(_NAME.match(n)["pid"]))]  # type: ignore[index]
     if stale:
-        delete_netns(stale)
+        delete_netns(stale)  # first: nothing runs in a folder once its namespaces are gone
+    remove_stale_folders()
     return stale
+
+
+def remove_stale_folders(root: str | None = None) -> list[str]:
+    """Delete the ``dplab-nodes-<pid>-*`` folders (in ``root``, default the temp dir) whose
+    owner pid is dead; return their paths. A folder of a live owner is never touched."""
+    root = tempfile.gettempdir() if root is None else root
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            match = _FOLDER.match(name)
+            path = os.path.join(root, name)
+            if match and not pid_alive(int(match["pid"])) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
 
 
 def nodes_available() -> tuple[bool, str]:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dplab.memory.measure import storage_bytes_by_part
+from dplab.memory.ranks import sub_group
 from dplab.memory.recipes import PARTS
 from dplab.models import GPTConfig, TinyGPT
 from dplab.sharding.compat import fully_shard_api
@@ -221,24 +222,11 @@ def sharded_step(
     under ``torch.profiler`` and counts the backend's own events (``gloo:all_reduce``, ...): what
     the backend ran, as opposed to what FSDP asked for.
     """
-    method = check_method(method)
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = None
-    if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
-            raise ValueError(f"group_size must be an int, got {group_size!r}")
-        if not 1 <= group_size <= world:
-            raise ValueError(f"group_size must be in 1..{world}, got {group_size!r}")
-        group = dist.new_group(list(range(group_size)))  # every rank must take part in this call
-        if rank >= group_size:
-            return None
-        world = group_size
+    method = _check_args(method, optimizer, dtype, steps)
+    rank = dist.get_rank()
+    group, world = sub_group(group_size)  # every rank takes part in making the group
+    if rank >= world:
+        return None
 
     model = sharded_model(DTYPES[dtype])
     n_params = sum(p.numel() for p in model.parameters())
@@ -294,6 +282,18 @@ def sharded_step(
         weights=weights,
         backend_events=backend_events,
     )
+
+
+def _check_args(method: str, optimizer: str, dtype: str, steps: int) -> str:
+    """The checked method name; a bad optimizer, dtype or step count is refused by name."""
+    method = check_method(method)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    return method
 
 
 def global_batch_step(

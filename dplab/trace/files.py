@@ -14,15 +14,21 @@ self-consistent: ranks 0..N-1, every step's world size N, the same metadata in e
 from __future__ import annotations
 
 import contextlib
+import gzip
+import io
 import json
+import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
+from dplab._units import MIB
 from dplab.trace.step import StepTrace, chrome_trace
 
 RUN_FORMAT = "dplab.run/1"
@@ -34,6 +40,13 @@ RANK_FILE = re.compile(r"rank(0|[1-9][0-9]*)\.json")
 # trace and cluster verbs add beside them
 RUN_FILES = re.compile(r"rank\d+\.json|trace\.json|timeline(_nodes)?\.html|run\.json|cluster\.json")
 EXTRA_FILES = ("timeline.html",)  # what a caller may add to a run folder beside the traces
+# Caps on what a loader reads (bytes, after gunzip): a rank file of a 5-step run is ~16 KB and a
+# manifest well under 1 KB, so these are thousands of times what dplab writes; above them the
+# file is not a trace (a run.json pointing at /dev/zero would otherwise read until memory runs
+# out). torch.profiler's own traces are larger; dplab.trace.profiler passes its own cap.
+MAX_RANK_FILE_BYTES = 64 * MIB
+MAX_MANIFEST_BYTES = 1 * MIB
+MAX_WORLD_SIZE = 1 << 20  # more ranks than any real run: a manifest saying more is corrupt
 
 
 def _umask() -> int:
@@ -189,18 +202,85 @@ def _replace_folder(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _read_json(path: Path) -> Any:
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def read_json_file(
+    path: str | os.PathLike, max_bytes: int, *, what: str = "JSON file", hint: str = ""
+) -> Any:
+    """The JSON document in ``path`` (gunzipped when the name ends in ``.gz``), read safely.
+
+    Every reader of a folder someone else may have made goes through here, because ``open`` and
+    ``json.loads`` trust the file: a FIFO blocks the reader forever, ``/dev/zero`` reads until
+    memory runs out, a cut ``.gz`` raises a bare ``EOFError``. So: only a regular file is read
+    (opened non-blocking, checked with ``fstat`` on the open descriptor, so it cannot be swapped
+    in between), at most ``max_bytes`` are read (before and after gunzip), and every way the
+    bytes can fail to be JSON is one ``ValueError`` naming the file and the problem.
+    ``hint`` is appended to the not-JSON message (what file was expected).
+    """
+    path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise FileNotFoundError(f"no trace file at {path}") from None
+        raise FileNotFoundError(f"no {what} at {path}") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is {_file_kind(st.st_mode)}, not a {what}: refused")
+        if st.st_size > max_bytes:
+            raise ValueError(
+                f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} a {what} may be: "
+                "refused (not a trace dplab or torch.profiler writes)"
+            )
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{path} grew past {max_bytes:,} bytes while being read: refused")
+    if path.name.endswith(".gz"):
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as g:
+                data = g.read(max_bytes + 1)
+        except (EOFError, OSError, zlib.error) as e:
+            raise ValueError(
+                f"{path} is not a complete gzip file ({type(e).__name__}: {e}): "
+                "was it cut short or damaged?"
+            ) from None
+        if len(data) > max_bytes:
+            raise ValueError(
+                f"{path} unpacks to more than {max_bytes:,} bytes, more than a {what} may be: "
+                "refused"
+            )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {e.start}: {data[e.start : e.start + 1]!r}): "
+            f"not a {what}"
+        ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(
-            f"{path} is not complete JSON ({e.msg} at character {e.pos} of {len(text)}): "
-            "was the file cut short?"
+            f"{path} is not JSON ({e.msg} at character {e.pos} of {len(text)}): "
+            + (hint or "was the file cut short?")
         ) from None
+    except RecursionError:
+        raise ValueError(f"{path} nests JSON deeper than Python can read: not a {what}") from None
+
+
+def _read_json(path: Path, max_bytes: int = MAX_RANK_FILE_BYTES) -> Any:
+    return read_json_file(path, max_bytes, what="dplab trace file")
 
 
 def _read_rank_doc(path: Path) -> dict:
@@ -213,11 +293,50 @@ def _read_rank_doc(path: Path) -> dict:
     return doc
 
 
+# What a malformed field raises inside from_dict: int("x"), float(None), a list where a dict
+# was, a span list nested past the recursion limit.
+_FIELD_ERRORS = (
+    KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError, RecursionError
+)  # fmt: skip
+
+
+def _check_step(step: StepTrace) -> None:
+    """The fields a timeline and the metrics divide and subtract by, checked to be sane:
+    a NaN span time or ``world_size: 0`` would load and draw nothing, or divide by zero later."""
+    if not 1 <= step.world_size <= MAX_WORLD_SIZE:
+        raise ValueError(
+            f"step {step.step}: world_size must be in 1..{MAX_WORLD_SIZE}, got {step.world_size}"
+        )
+    if not 0 <= step.rank < step.world_size:
+        raise ValueError(f"step {step.step}: rank {step.rank} is not in 0..{step.world_size - 1}")
+    if not math.isfinite(step.origin_ms):
+        raise ValueError(f"step {step.step}: origin_ms must be finite, got {step.origin_ms}")
+    for span in step.spans:
+        if not (math.isfinite(span.start_ms) and math.isfinite(span.end_ms)):
+            raise ValueError(
+                f"step {step.step}: span {span.name!r} has a time that is not a finite number "
+                f"(start_ms={span.start_ms}, end_ms={span.end_ms})"
+            )
+        if span.end_ms < span.start_ms:
+            raise ValueError(
+                f"step {step.step}: span {span.name!r} ends before it starts "
+                f"(start_ms={span.start_ms}, end_ms={span.end_ms})"
+            )
+
+
 def _steps(doc: dict, path: Path) -> list[StepTrace]:
+    raw = doc.get("steps")
+    if not isinstance(raw, list) or not raw:
+        found = f"{len(raw)} steps" if isinstance(raw, list) else f"{type(raw).__name__}"
+        raise ValueError(f"{path}: 'steps' must be a non-empty list of steps, got {found}")
     try:
-        return [StepTrace.from_dict(d) for d in doc["steps"]]
-    except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        steps = [StepTrace.from_dict(d) for d in raw]
+        for step in steps:
+            _check_step(step)
+    except _FIELD_ERRORS as e:
+        detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path}: {detail}") from None
+    return steps
 
 
 def load_rank(path: str | os.PathLike) -> list[StepTrace]:
@@ -250,21 +369,47 @@ def load_run(out_dir: str | os.PathLike) -> list[list[StepTrace]]:
     return _load_legacy(folder, docs)
 
 
-def _load_with_manifest(folder: Path) -> list[list[StepTrace]]:
-    manifest = _read_json(folder / MANIFEST)
+def _manifest(folder: Path) -> tuple[str, int]:
+    """The run id and world size ``run.json`` names, every field checked: its rank files must
+    be ``rank{r}.json`` in this folder, so a manifest can never point a reader elsewhere."""
+    path = folder / MANIFEST
+    manifest = _read_json(path, MAX_MANIFEST_BYTES)
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{folder / MANIFEST} is not a dplab run manifest")
-    run_id, world_size = manifest["run_id"], int(manifest["world_size"])
+        raise ValueError(f"{path} is not a dplab run manifest")
+    run_id, world_size, ranks = (manifest.get(k) for k in ("run_id", "world_size", "ranks"))
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"{path}: run_id must be a non-empty string, got {run_id!r}")
+    if (
+        isinstance(world_size, bool)
+        or not isinstance(world_size, int)
+        or not 1 <= world_size <= MAX_WORLD_SIZE
+    ):
+        raise ValueError(
+            f"{path}: world_size must be an int in 1..{MAX_WORLD_SIZE}, got {world_size!r}"
+        )
+    expected = {str(r): f"rank{r}.json" for r in range(world_size)}
+    if ranks != expected:
+        shown = repr(ranks) if len(repr(ranks)) < 200 else repr(ranks)[:200] + "…"
+        raise ValueError(
+            f"{path}: ranks must map each rank r in 0..{world_size - 1} to 'rank{{r}}.json' in "
+            f"this folder, got {shown}"
+        )
+    return run_id, world_size
+
+
+def _load_with_manifest(folder: Path) -> list[list[StepTrace]]:
+    run_id, world_size = _manifest(folder)
     out = []
     for rank in range(world_size):
-        path = folder / manifest["ranks"][str(rank)]
-        if not path.exists():
+        path = folder / f"rank{rank}.json"
+        if not path.exists() and not path.is_symlink():
             raise FileNotFoundError(
                 f"{folder}: rank{rank}.json is missing; {MANIFEST} says the run has "
                 f"world size {world_size} (ranks 0..{world_size - 1})"
             )
         doc = _read_rank_doc(path)
-        found = (doc.get("run") or {}).get("id")
+        run = doc.get("run")
+        found = run.get("id") if isinstance(run, dict) else None
         if found != run_id or doc.get("rank") != rank:
             raise ValueError(
                 f"{path} is rank {doc.get('rank')} of run {found}, not rank {rank} of run "

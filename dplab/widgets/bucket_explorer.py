@@ -83,6 +83,12 @@ def _dead_rank_text(cluster: Cluster) -> str:
     return text if text.startswith("rank ") else "a rank process had exited"
 
 
+def why_stopped(cluster: Cluster) -> str:
+    """Why a pool is no longer alive: its stop reason, or which rank process died (the widgets
+    say it while they restart the pool in place)."""
+    return cluster.dead_reason or _dead_rank_text(cluster)
+
+
 class BucketExplorer(w.VBox):
     """Bucket cap, model and world size → a freshly measured DDP step, drawn per rank.
 
@@ -273,7 +279,7 @@ class BucketExplorer(w.VBox):
         if c is not None and c.alive and c.world_size == self.world_size:
             return c
         if c is not None and c.world_size == self.world_size:
-            why = f"the pool had stopped: {c.dead_reason or _dead_rank_text(c)}"
+            why = f"the pool had stopped: {why_stopped(c)}"
             self.status_html.value = status_html(
                 f"restarting {self.world_size} ranks ({why}; a few seconds)…", busy=True
             )

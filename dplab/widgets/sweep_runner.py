@@ -36,6 +36,7 @@ from dplab.widgets._common import (
     show_figure,
     status_html,
 )
+from dplab.widgets.bucket_explorer import why_stopped
 
 MAX_CAPS = 20
 MAX_REPEATS = 10
@@ -219,14 +220,7 @@ class SweepRunner(w.VBox):
         rows: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         try:
-            if self.cluster is None or not self.cluster.alive:
-                self.status_html.value = status_html(
-                    f"starting {self.world_size} ranks…", busy=True
-                )
-                self.cluster = Cluster(
-                    self.world_size, timeout_s=300, oversubscribe=self._oversubscribe
-                )
-                self._owns_cluster = True
+            self._ensure_cluster()
             for r in range(repeats):
                 order = caps if r % 2 == 0 else caps[::-1]
                 for cap in order:
@@ -284,6 +278,25 @@ class SweepRunner(w.VBox):
             f"done: {len(caps)} caps × {repeats} repeats in {time.perf_counter() - t0:.1f} s"
         )
         return rows
+
+    def _ensure_cluster(self) -> Cluster:
+        """A live pool: the one given (or started before), restarted **in place** if a rank died
+        or a run was interrupted, so that a pool shared with the notebook is usable there again
+        too (before, the widget started a pool of its own and left the notebook's dead)."""
+        c = self.cluster
+        if c is not None and c.alive:
+            return c
+        if c is not None:
+            self.status_html.value = status_html(
+                f"restarting {c.world_size} ranks (the pool had stopped: {why_stopped(c)}; "
+                "a few seconds)…",
+                busy=True,
+            )
+            return c.restart()
+        self.status_html.value = status_html(f"starting {self.world_size} ranks…", busy=True)
+        self.cluster = Cluster(self.world_size, timeout_s=300, oversubscribe=self._oversubscribe)
+        self._owns_cluster = True
+        return self.cluster
 
     def close(self) -> None:
         """Stop the rank processes this widget started, and close the widget."""

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     # the package root re-exports launch, DDP and the trace: it sits with what it re-exports
     ("dplab.ddp", "dplab"),
-    ("dplab.sim", "dplab.memory", "dplab.mechanics", "dplab.sharding"),
+    ("dplab.sim", "dplab.memory", "dplab.mechanics", "dplab.sharding", "dplab.failures"),
     ("dplab.exercises",),
     ("dplab.viz",),
     ("dplab.widgets", "dplab.cli", "dplab.__main__"),

@@ -1,10 +1,11 @@
 """dplab: data parallelism, measured.
 
 Public names: :func:`launch`, :class:`Cluster`, :class:`RankError`, :class:`DDP`, :class:`Tracer`,
-:class:`StepTrace`; the modules :mod:`dplab.sim`, :mod:`dplab.memory`, :mod:`dplab.collectives`.
+:class:`StepTrace`, :class:`TextbookDDP` (the DDP to read); the modules :mod:`dplab.sim`,
+:mod:`dplab.memory`, :mod:`dplab.collectives`.
 """
 
-from dplab.ddp import DDP, Bucket, ForwardOrderDDP, NaiveDDP, PerParameterDDP
+from dplab.ddp import DDP, Bucket, ForwardOrderDDP, NaiveDDP, PerParameterDDP, TextbookDDP
 from dplab.launch import Cluster, RankError, RankTimeout, device, launch
 from dplab.trace import StepTrace, Tracer
 
@@ -18,6 +19,7 @@ __all__ = [
     "RankError",
     "RankTimeout",
     "StepTrace",
+    "TextbookDDP",
     "Tracer",
     "device",
     "launch",

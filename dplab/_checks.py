@@ -16,8 +16,10 @@ T = TypeVar("T")
 __all__ = [
     "check_choice",
     "check_count",
+    "check_gloo_cluster",
     "check_int_in",
     "check_nonneg",
+    "check_nonneg_each",
     "check_positive",
     "check_positive_int",
     "check_world_size",
@@ -103,3 +105,27 @@ def check_choice(name: str, value: T, choices: Iterable[T]) -> T:
         listed = ", ".join(str(o) for o in options)
         raise ValueError(f"{name} must be one of {listed}, got {value!r}")
     return value
+
+
+def check_gloo_cluster(who: str, cluster: Any) -> Any:
+    """A warm pool for work on CPU tensors runs gloo (NCCL takes GPU tensors only); None is
+    fine (the caller then starts gloo ranks of its own)."""
+    backend = getattr(cluster, "backend", "gloo")
+    if cluster is not None and backend != "gloo":
+        raise ValueError(
+            f"{who} trains CPU models: it needs a gloo Cluster, got backend {backend!r} "
+            "(use dplab.Cluster(2, backend='gloo'))"
+        )
+    return cluster
+
+
+def check_nonneg_each(name: str, values: Iterable[Any], *, unit: str = "") -> list[float]:
+    """Every value a finite number >= 0 (durations a schedule adds up); the first bad one is
+    named by its index, ``name[i]``, so a long list does not hide which entry was wrong."""
+    what = f"a finite number of {unit} >= 0" if unit else "a finite number >= 0"
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, Real) or not 0 <= v < math.inf:
+            raise ValueError(f"{name}[{i}] must be {what}, got {v!r}")
+        out.append(float(v))
+    return out

@@ -71,6 +71,12 @@ class CheckResult:
         )
 
 
+@dataclass(frozen=True)
+class NotAttempted:
+    """A rank's answer while the learner's code still raises ``NotImplementedError``: nothing to
+    judge, so the checker says "not attempted yet" instead of failing the notebook."""
+
+
 def _not_attempted(exercise: str) -> CheckResult:
     return CheckResult(
         exercise, NOT_ATTEMPTED, "replace `raise NotImplementedError` with your code, then re-run."
@@ -103,8 +109,11 @@ def _run_on_ranks(
     cluster: Any,
     world_size: int,
     *args: Any,
-) -> list[dict[str, Any]] | CheckResult:
-    """The ranks' results, or a CheckResult when there is nothing to judge or the run failed."""
+    backend: str = "auto",
+) -> list[Any] | CheckResult:
+    """The ranks' results, or a CheckResult when there is nothing to judge or the run failed.
+
+    ``backend``: of the ranks launched when no pool of ``world_size`` is given."""
     if learner_fn is None:
         return _not_attempted(exercise)
     if not callable(learner_fn):
@@ -112,32 +121,26 @@ def _run_on_ranks(
     pool = _pool_for(cluster, world_size)
     try:
         if pool is not None:
-            results = pool.run(rank_fn, learner_fn, *args)
+            # The checker's own time bounds the learner's code, not the pool's (300 s).
+            timeout_s = min(pool.timeout_s, CHECK_TIMEOUT_S)
+            results = pool.run_within(timeout_s, rank_fn, learner_fn, *args)
         else:
             results = dplab.launch(
-                rank_fn, world_size, args=(learner_fn, *args), timeout_s=CHECK_TIMEOUT_S
+                rank_fn,
+                world_size,
+                backend=backend,
+                args=(learner_fn, *args),
+                timeout_s=CHECK_TIMEOUT_S,
             )
     except dplab.RankError as e:
         _revive(pool)
-        lines = e.traceback.strip().splitlines() or [str(e)]
-        if "different collectives" in lines[0]:  # the launcher caught the ranks out of step
-            return CheckResult(exercise, FAILED, f"{lines[0]} — {NOT_EVERY_RANK}")
-        last = lines[-1]
-        return CheckResult(
-            exercise,
-            FAILED,
-            f"your function raised on rank {e.rank} (N = {world_size}): {last}{_avg_hint(last)}",
-        )
+        return CheckResult(exercise, FAILED, _rank_error_verdict(e, world_size))
     except dplab.RankTimeout as e:
         _revive(pool)
-        return CheckResult(
-            exercise,
-            FAILED,
-            f"{e} — {NOT_EVERY_RANK}",
-        )
+        return CheckResult(exercise, FAILED, _timeout_verdict(e))
     except TypeError as e:  # the function could not be shipped to the ranks
         return CheckResult(exercise, FAILED, str(e))
-    if any(r.get("not_attempted") for r in results):
+    if any(isinstance(r, NotAttempted) for r in results):
         return _not_attempted(exercise)
     return results
 
@@ -172,6 +175,30 @@ def _revive(cluster: Any) -> None:
         cluster.restart()
 
 
+def _rank_error_verdict(e: dplab.RankError, world_size: int) -> str:
+    """What a RankError says about the learner's function, in one line."""
+    first = (e.traceback.strip().splitlines() or [str(e)])[0]
+    if "different collectives" in first:  # the launcher caught the ranks out of step
+        return f"{first} — {NOT_EVERY_RANK}"
+    if e.summary.startswith("the rank process"):  # it died: what it printed is not the cause
+        return f"rank {e.rank}'s process ended inside your function (N = {world_size}): {e.summary}"
+    return (
+        f"your function raised on rank {e.rank} (N = {world_size}): {e.summary}"
+        f"{_avg_hint(e.summary)}"
+    )
+
+
+def _timeout_verdict(e: dplab.RankTimeout) -> str:
+    """A rank waiting in a collective is a partner that never came; ranks all busy in their own
+    code are an endless loop, and the collective hint would send the learner the wrong way."""
+    if e.in_collective:
+        return f"{e} — {NOT_EVERY_RANK}"
+    return (
+        f"{e} — your function was still running its own code (not waiting in a collective) "
+        f"after {e.timeout_s:g} s: an endless loop, or far too much work?"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Exercise 2 of the notebook: broadcast the model state (what DDP does at construction)
 
@@ -203,7 +230,7 @@ def _state(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 
 
-def _broadcast_rank(fn: Callable) -> dict[str, Any]:
+def _broadcast_rank(fn: Callable) -> dict[str, Any] | NotAttempted:
     rank, _ = rank_and_world()
     model = buffered_model(100 + rank)  # every rank starts different, buffers too, on purpose
     rank0 = buffered_model(100)
@@ -212,7 +239,7 @@ def _broadcast_rank(fn: Callable) -> dict[str, Any]:
         with CommCounter() as counter:
             fn(model)
     except NotImplementedError:
-        return {"not_attempted": True}
+        return NotAttempted()
     return {
         "rank": rank,
         "params": params_hash(model),
@@ -295,7 +322,7 @@ def check_broadcast_weights(fn: Any, cluster: Any = None, *, world_size: int = 2
 # Exercise 1 of the notebook: average the gradients
 
 
-def _average_rank(fn: Callable) -> dict[str, Any]:
+def _average_rank(fn: Callable) -> dict[str, Any] | NotAttempted:
     rank, n = rank_and_world()
     dt = torch.float64
     model = make_model("mlp", seed=0, dtype=dt)
@@ -308,7 +335,7 @@ def _average_rank(fn: Callable) -> dict[str, Any]:
         with CommCounter() as counter:
             fn(model)
     except NotImplementedError:
-        return {"not_attempted": True}
+        return NotAttempted()
     g = flat_grads(model)
     return {
         "rank": rank,
@@ -395,7 +422,7 @@ GLOBAL_BATCH = 32
 LR = 0.1
 
 
-def _accumulation_rank(fn: Callable, accum: int) -> dict[str, Any]:
+def _accumulation_rank(fn: Callable, accum: int) -> dict[str, Any] | NotAttempted:
     rank, _ = rank_and_world()
     dt = torch.float64
     model = make_model("mlp", seed=0, dtype=dt)
@@ -407,7 +434,7 @@ def _accumulation_rank(fn: Callable, accum: int) -> dict[str, Any]:
         with CommCounter() as counter:
             fn(ddp, opt, micro)
     except NotImplementedError:
-        return {"not_attempted": True}
+        return NotAttempted()
     # The reference: one SGD step on the gradient of the whole global batch, in this process.
     reference = make_model("mlp", seed=0, dtype=dt)
     x, y = make_batch("mlp", GLOBAL_BATCH, seed=1, dtype=dt)

@@ -35,60 +35,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import dplab
-from dplab.exercises.checks import CheckResult
+from dplab._checks import check_choice, check_gloo_cluster
+from dplab._units import MIB
+from dplab.exercises.checks import (
+    FAILED,
+    NOT_ATTEMPTED,
+    PASSED,
+    CheckResult,
+    NotAttempted,
+    _run_on_ranks,
+)
+from dplab.exercises.my_ddp_buckets import close_at_cap_plan, expected_buckets, greedy_plan
 from dplab.exercises.my_ddp_models import MODELS, batch, build
 from dplab.exercises.my_ddp_observe import StepRecord, Watch
 
-PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted yet"  # as dplab.exercises
 KINDS = ("naive", "overlapped", "bucketed")
-MIB = 1024 * 1024
 CAPS_BYTES = (500, 1800)  # two bucket sizes; bucket_size_mb = bytes / MiB
 STEPS = 3
 LR = 0.1
 TOLERANCE = 1e-10  # max |difference| from torch DDP, float64 gradients and weights
-CHECK_TIMEOUT_S = 120.0
-
-
-# ---------------------------------------------------------------------------------------------
-# Bucket plans, computed here independently of any learner
-
-
-def greedy_plan(nbytes: Sequence[int], cap_bytes: float) -> list[list[int]]:
-    """Consecutive runs of at most ``cap_bytes`` (a tensor bigger than the cap alone)."""
-    plan: list[list[int]] = []
-    total = 0.0
-    for i, size in enumerate(nbytes):
-        if plan and total + size <= cap_bytes:
-            plan[-1].append(i)
-            total += size
-        else:
-            plan.append([i])
-            total = size
-    return plan
-
-
-def close_at_cap_plan(nbytes: Sequence[int], cap_bytes: float) -> list[list[int]]:
-    """torch's reducer rule: add a tensor, close the bucket once it reaches the cap."""
-    plan: list[list[int]] = [[]]
-    total = 0.0
-    for i, size in enumerate(nbytes):
-        plan[-1].append(i)
-        total += size
-        if total >= cap_bytes:
-            plan.append([])
-            total = 0.0
-    return [b for b in plan if b]
-
-
-def expected_buckets(module: nn.Module, cap_bytes: float) -> list[list[str]]:
-    """The buckets the exercise asks for: trainable parameters in reverse registration order,
-    cut greedily at ``cap_bytes``; names as ``named_parameters`` gives them."""
-    rows = [(n, p.numel() * p.element_size()) for n, p in module.named_parameters()]
-    trainable = [r for r, (_, p) in zip(rows, module.named_parameters(), strict=True)
-                 if p.requires_grad][::-1]  # fmt: skip
-    plan = greedy_plan([s for _, s in trainable], cap_bytes)
-    return [[trainable[i][0] for i in members] for members in plan]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +121,7 @@ def _describe_model(name: str) -> dict[str, Any]:
     }
 
 
-def _rank(cls: type, kind: str) -> list[dict[str, Any]] | dict[str, Any]:
+def _rank(cls: type, kind: str) -> list[dict[str, Any]] | NotAttempted:
     out = []
     caps: tuple[int | None, ...] = CAPS_BYTES if kind == "bucketed" else (None,)
     for name in MODELS:
@@ -165,7 +130,7 @@ def _rank(cls: type, kind: str) -> list[dict[str, Any]] | dict[str, Any]:
             try:
                 mine = _learner(cls, name, cap)
             except NotImplementedError:
-                return {"not_attempted": True}
+                return NotAttempted()
             gdiff = [
                 (g - r).abs().max().item() for g, r in zip(mine["grads"], ref_grads, strict=True)
             ]
@@ -435,13 +400,8 @@ def check_my_ddp(cls: Any, *, kind: str, cluster: Any = None, world_size: int = 
     ``cluster``: a warm gloo :class:`dplab.Cluster` to run on (else ``world_size`` fresh gloo
     ranks).
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if cluster is not None and getattr(cluster, "backend", "gloo") != "gloo":
-        raise ValueError(
-            f"check_my_ddp trains CPU models: it needs a gloo Cluster, got backend "
-            f"{cluster.backend!r} (use dplab.Cluster(2, backend='gloo'))"
-        )
+    check_choice("kind", kind, KINDS)
+    check_gloo_cluster("check_my_ddp", cluster)
     exercise = f"my DDP ({kind})"
     if cls is None:
         return CheckResult(exercise, NOT_ATTEMPTED, "write the class, then re-run.")
@@ -450,32 +410,26 @@ def check_my_ddp(cls: Any, *, kind: str, cluster: Any = None, world_size: int = 
     for method in ("forward", "finish_gradient_synchronization"):
         if not callable(getattr(cls, method, None)):
             return CheckResult(exercise, FAILED, f"{cls.__name__} has no method {method}()")
-    try:
-        if cluster is not None:
-            results = cluster.run(_rank, cls, kind)
-        else:
-            results = dplab.launch(
-                _rank, world_size, backend="gloo", args=(cls, kind), timeout_s=CHECK_TIMEOUT_S
-            )
-    except dplab.RankError as e:
-        if cluster is not None and not cluster.alive:
-            cluster.restart()
-        last = e.traceback.strip().splitlines()[-1] if e.traceback.strip() else str(e)
-        return CheckResult(exercise, FAILED, f"your class raised on rank {e.rank}: {last}")
-    except dplab.RankTimeout as e:
-        if cluster is not None and not cluster.alive:
-            cluster.restart()
-        return CheckResult(
-            exercise,
-            FAILED,
-            f"{e}: a collective that not every rank made, or a wait for one never launched?",
-        )
-    except TypeError as e:  # the class could not be shipped to the ranks
-        return CheckResult(exercise, FAILED, str(e))
-    if any(isinstance(r, dict) and r.get("not_attempted") for r in results):
-        return CheckResult(
-            exercise,
-            NOT_ATTEMPTED,
-            "replace `raise NotImplementedError` with your code, then re-run.",
-        )
+    # The class is callable, so the shared runner ships it like a learner's function; a warm
+    # pool runs at its own world size.
+    n = cluster.world_size if cluster is not None else world_size
+    results = _run_on_ranks(exercise, _rank, cls, cluster, n, kind, backend="gloo")
+    if isinstance(results, CheckResult):
+        return results
     return judge(kind, results)
+
+
+# The bucket rules and the result strings live in my_ddp_buckets and checks; the lesson and the
+# tests import them from here, next to the checker that uses them.
+__all__ = [
+    "FAILED",
+    "KINDS",
+    "MIB",
+    "NOT_ATTEMPTED",
+    "PASSED",
+    "check_my_ddp",
+    "close_at_cap_plan",
+    "expected_buckets",
+    "greedy_plan",
+    "judge",
+]

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dplab
-from dplab.exercises.my_ddp import MIB, expected_buckets
+from dplab._units import MIB
+from dplab.exercises.my_ddp_buckets import expected_buckets
 from dplab.exercises.my_ddp_models import Stack
 from dplab.exercises.my_ddp_observe import StepRecord, Watch
 from dplab.trace import Span, StepTrace

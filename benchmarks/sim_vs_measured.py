@@ -211,7 +211,7 @@ class Session:
 def plan_key(profile: BackwardProfile, cap: float) -> tuple[str, ...]:
     """A bucket plan as a hashable key: caps with equal keys build the same DDP."""
     buckets = plan_buckets(profile, bucket_cap_mb=cap, first_bucket_cap_mb=1.0)
-    return tuple(",".join(b["param_names"]) for b in buckets)
+    return tuple(",".join(b.param_names) for b in buckets)
 
 
 # -- report ---------------------------------------------------------------------------------------

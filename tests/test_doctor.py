@@ -112,13 +112,13 @@ def test_profile_cuts_torchs_buckets_and_the_cap_is_read_right(recorded):
     profile = profile_from_trace(runs)
     sizes = _torch_sizes(logging["explicit"])
     plan = plan_buckets(profile, bucket_cap_mb=CAP, first_bucket_cap_mb=first_cap(CAP))
-    assert [b["nbytes"] for b in plan] == sizes and profile.total_bytes == sum(sizes)
+    assert [b.nbytes for b in plan] == sizes and profile.total_bytes == sum(sizes)
     d = diagnose(runs)
     assert d.steps == list(ACTIVE) and d.world_size == 2
     same = plan_buckets(
         profile, bucket_cap_mb=d.current_cap_mb, first_bucket_cap_mb=first_cap(d.current_cap_mb)
     )
-    assert [b["nbytes"] for b in same] == sizes
+    assert [b.nbytes for b in same] == sizes
     assert d.cap_source.startswith("inferred: every cap tried from")
     assert diagnose(runs, ddp_logging_data=logging["explicit"]).current_cap_mb == CAP
     default = diagnose(_parsed(out / "gpt-default"))

@@ -329,7 +329,7 @@ def test_simulate_times_each_bucket_with_the_fabric():
     spans = [s for s in trace.spans if s.kind == "allreduce"]
     assert len(spans) == len(trace.buckets) > 1
     for s, b in zip(sorted(spans, key=lambda s: s.bucket), trace.buckets, strict=True):
-        assert s.end_ms - s.start_ms == pytest.approx(fab.allreduce_s(b["nbytes"]) * 1e3)
+        assert s.end_ms - s.start_ms == pytest.approx(fab.allreduce_s(b.nbytes) * 1e3)
 
 
 def test_best_bucket_cap_on_a_fabric_is_the_sweeps_best():

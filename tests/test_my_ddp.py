@@ -377,7 +377,7 @@ def test_the_learners_steps_draw_next_to_dplab_ddp(cluster2):
         for step in r["yours"]:
             comms = step.of("allreduce")
             assert len(comms) == len(want)
-            assert sorted(b["param_names"] for b in step.buckets) == sorted(want)
+            assert sorted(list(b.param_names) for b in step.buckets) == sorted(want)
             backward = step.of("backward")[0]
             assert any(s.start_ms < backward.end_ms for s in comms)  # launched from the hooks
             assert step.of("wait")[0].end_ms <= step.of("optimizer")[0].start_ms + 1e-9

@@ -141,8 +141,8 @@ def test_buckets_are_torchs_own(recorded, cap):
         sizes, counts = _torch_buckets(results[r]["logging"][cap])
         for s in rank_steps:
             assert s.world_size == 2 and s.backend == "gloo" and s.clock == "host"
-            assert [b["nbytes"] for b in s.buckets] == sizes
-            assert [len(b["param_names"]) for b in s.buckets] == counts
+            assert [b.nbytes for b in s.buckets] == sizes
+            assert [len(b.param_names) for b in s.buckets] == counts
             # in bucket order (two idle gloo workers can begin consecutive ones either way)
             by_bucket = sorted(s.of("allreduce"), key=lambda sp: sp.bucket)
             assert [sp.nbytes for sp in by_bucket] == sizes

@@ -70,8 +70,8 @@ def check_invariants(trace: StepTrace) -> None:
     assert trace.clock == "simulated"
     ready = {s.bucket: s.end_ms for s in trace.of("bucket_ready")}
     comms = sorted(trace.of("allreduce"), key=lambda s: s.bucket)
-    assert [s.bucket for s in comms] == [b["index"] for b in trace.buckets]  # one per bucket
-    assert sorted(ready) == [b["index"] for b in trace.buckets]
+    assert [s.bucket for s in comms] == [b.index for b in trace.buckets]  # one per bucket
+    assert sorted(ready) == [b.index for b in trace.buckets]
     previous_end = -math.inf
     for span in comms:
         assert span.start_ms >= ready[span.bucket] - 1e-9  # never before its bucket is ready
@@ -385,7 +385,7 @@ def test_buckets_equal_dplab_ddps_for_the_same_model_and_caps(cluster2, model):
     for cap, first in ((0.25, 1.0), (2.0, 0.5), (25.0, 1.0), (0.0001, 0.0001)):
         ranks = cluster2.run(_ddp_buckets, model, cap, first)
         planned = plan_buckets(synthetic(model), bucket_cap_mb=cap, first_bucket_cap_mb=first)
-        assert planned == ranks[0] == ranks[1]
+        assert [b.to_dict() for b in planned] == ranks[0] == ranks[1]
 
 
 # -- CLI ------------------------------------------------------------------------------------------

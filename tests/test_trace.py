@@ -78,7 +78,7 @@ def test_one_allreduce_per_bucket_per_step_never_before_ready(measured):
             for s in comms:
                 assert s.start_ms >= ready[s.bucket] - 1e-6
                 assert s.end_ms >= s.start_ms
-                assert s.nbytes == step.buckets[s.bucket]["nbytes"]
+                assert s.nbytes == step.buckets[s.bucket].nbytes
 
 
 def test_measured_metrics_are_consistent(measured):

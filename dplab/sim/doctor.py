@@ -125,7 +125,7 @@ def _sizes(trace: StepTrace) -> list[int]:
 
 def _plan_sizes(profile: BackwardProfile, cap: float, first: float) -> list[int]:
     plan = plan_buckets(profile, bucket_cap_mb=cap, first_bucket_cap_mb=first)
-    return [b["nbytes"] for b in plan]
+    return [b.nbytes for b in plan]
 
 
 def consistent_with_default(profile: BackwardProfile, observed: Sequence[int]) -> bool:

@@ -24,6 +24,7 @@ from dplab.sim.contention import Contention
 from dplab.sim.engine import plan_buckets, schedule, simulate
 from dplab.sim.link import PRESETS, Link, loopback_link
 from dplab.sim.profile import BackwardProfile, profile_from_ranks
+from dplab.trace.bucket import Bucket
 from dplab.trace.step import Span, StepTrace
 
 MEDIAN_SE = 1.2533  # the standard error of a median of m normal samples is 1.2533·σ/√m
@@ -435,10 +436,10 @@ def simulate_lanes(
         profile, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb
     )
     ready_of = {p.name: p.ready_ms for p in profile.params}
-    ready = [max(ready_of[name] for name in b["param_names"]) for b in plan]
-    quiet = [link.allreduce_s(b["nbytes"], world_size) * 1e3 for b in plan]
+    ready = [max(ready_of[name] for name in b.param_names) for b in plan]
+    quiet = [link.allreduce_s(b.nbytes, world_size) * 1e3 for b in plan]
     busy = [
-        max(slow.busy_seconds(b["nbytes"], world_size, link) * 1e3, q)
+        max(slow.busy_seconds(b.nbytes, world_size, link) * 1e3, q)
         for b, q in zip(plan, quiet, strict=True)
     ]
     starts, ends = [0.0] * len(plan), [0.0] * len(plan)
@@ -478,7 +479,7 @@ def simulate_lanes(
 
 def _lanes_spans(
     profile: BackwardProfile,
-    plan: list[dict[str, Any]],
+    plan: list[Bucket],
     ready: list[float],
     starts: list[float],
     ends: list[float],
@@ -489,7 +490,7 @@ def _lanes_spans(
     spans = [Span("forward", "forward", 0.0, f), Span("backward", "backward", f, f + backward_end)]
     for b, bucket in enumerate(plan):
         t = f + min(ready[b], backward_end)
-        spans.append(Span(f"bucket {b} ready", "bucket_ready", t, t, b, bucket["nbytes"]))
+        spans.append(Span(f"bucket {b} ready", "bucket_ready", t, t, b, bucket.nbytes))
         spans.append(
             Span(
                 f"all-reduce bucket {b}",
@@ -497,7 +498,7 @@ def _lanes_spans(
                 f + starts[b],
                 f + ends[b],
                 b,
-                bucket["nbytes"],
+                bucket.nbytes,
             )
         )
     wait_end = f + max(backward_end, *ends)

@@ -24,6 +24,7 @@ class Bucket:
     Two buckets are equal when they carry the same gradients (index, names, bytes): a simulated
     bucket, a measured one and one read back from disk compare equal when they would all-reduce
     the same thing. ``numel``, ``dtype`` and ``device`` are None for a bucket read from disk.
+    Read it by attribute (``b.nbytes``); ``to_dict()`` is the saved form, a plain dict.
     """
 
     index: int
@@ -49,12 +50,3 @@ class Bucket:
             nbytes=int(d["nbytes"]),
             numel=None if d.get("numel") is None else int(d["numel"]),
         )
-
-    # Saved traces were read as dicts before buckets were typed; ``b["nbytes"]`` still works.
-    def __getitem__(self, key: str) -> Any:
-        if key not in SAVED_KEYS:
-            raise KeyError(key)
-        return list(self.param_names) if key == "param_names" else getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in SAVED_KEYS else default

@@ -58,7 +58,8 @@ class CommRecord:
         return asdict(self)
 
 
-def _nbytes(t: Any) -> tuple[int, str]:
+def payload_nbytes(t: Any) -> tuple[int, str]:
+    """Bytes and dtype of what a rank hands to a collective (0 and "" for a non-tensor)."""
     if isinstance(t, torch.Tensor):
         return t.numel() * t.element_size(), str(t.dtype).removeprefix("torch.")
     return 0, ""
@@ -97,7 +98,7 @@ class CommCounter:
             nbytes, dtype, l1 = 0, "", None
             if arg is not None:
                 payload = signature.bind_partial(*args, **kwargs).arguments.get(arg)
-                nbytes, dtype = _nbytes(payload)
+                nbytes, dtype = payload_nbytes(payload)
                 if op == "all_reduce" and isinstance(payload, torch.Tensor):
                     l1 = float(payload.detach().abs().double().sum())
             self.records.append(CommRecord(op, nbytes, self._phase, dtype, l1))

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dplab.mechanics.traffic import PAYLOAD_ARG, CommCounter, CommRecord, _nbytes
+from dplab.mechanics.traffic import PAYLOAD_ARG, CommCounter, CommRecord, payload_nbytes
 from dplab.sharding.formula import wire_factor
 
 SHARDED_PAYLOAD_ARG = {
@@ -57,7 +57,7 @@ class ShardedCommCounter(CommCounter):
             nbytes, dtype = 0, ""
             if arg is not None:
                 bound = signature.bind_partial(*args, **kwargs)
-                nbytes, dtype = _nbytes(bound.arguments.get(arg))
+                nbytes, dtype = payload_nbytes(bound.arguments.get(arg))
             self.records.append(CommRecord(op, nbytes, self._phase, dtype))
             return original(*args, **kwargs)
 

@@ -111,18 +111,7 @@ class BucketExplorer(w.VBox):
         warmup: int = 1,
         measure: bool = True,
     ):
-        check_model(model)
-        cap = check_bucket_cap(bucket_cap_mb, "bucket_cap_mb")
-        if world_size is None:
-            world_size = cluster.world_size if cluster is not None else 2
-        check_world_size(world_size)
-        if cluster is not None and cluster.world_size != world_size:
-            raise ValueError(
-                f"world_size={world_size} but the cluster has {cluster.world_size} ranks"
-            )
-        for name, value, low in (("batch_size", batch_size, 1), ("steps", steps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        cap, world_size = _checked(cluster, model, world_size, bucket_cap_mb, batch_size, steps)
         self.batch_size, self.steps, self.warmup = batch_size, steps, warmup
         self.cluster = cluster
         self._owns_cluster = cluster is None
@@ -132,6 +121,35 @@ class BucketExplorer(w.VBox):
         self.latency_s: float | None = None
         self._quiet = False
 
+        self._build_controls(cap, model, world_size)
+        self.cap_slider.observe(self._on_change, names="value")
+        self.model_dropdown.observe(self._on_change, names="value")
+        self.world_size_box.observe(self._on_world_size, names="value")
+        self.remeasure_button.on_click(lambda _: self.measure())
+        controls = w.HBox(
+            [self.cap_slider, self.model_dropdown, self.world_size_box, self.remeasure_button]
+        )
+        note = w.HTML(
+            "<span style='color:#555'>Each change runs real DDP steps on this machine's ranks "
+            f"(first bucket: min(cap, {DEFAULT_FIRST_BUCKET_CAP_MB:g} MiB)).</span>"
+        )
+        super().__init__(
+            [
+                controls,
+                note,
+                w.HBox([self.progress, self.status_html]),
+                self.message_html,
+                self.count_html,
+                self.figure,
+            ]
+        )
+        classed(self, "dplab-bucket-explorer")
+        show_figure(self.figure, placeholder_figure("the measured timeline appears here"))
+        if measure:
+            self.measure()
+
+    def _build_controls(self, cap: float, model: str, world_size: int) -> None:
+        """The controls and outputs, each with the CSS class the browser tests find it by."""
         self.cap_slider = classed(
             w.SelectionSlider(
                 options=cap_options(cap),
@@ -169,32 +187,6 @@ class BucketExplorer(w.VBox):
         self.message_html = classed(w.HTML(), "dplab-message")
         self.count_html = classed(w.HTML(), "dplab-bucket-count")
         self.figure = classed(go.FigureWidget(), "dplab-timeline")
-
-        self.cap_slider.observe(self._on_change, names="value")
-        self.model_dropdown.observe(self._on_change, names="value")
-        self.world_size_box.observe(self._on_world_size, names="value")
-        self.remeasure_button.on_click(lambda _: self.measure())
-        controls = w.HBox(
-            [self.cap_slider, self.model_dropdown, self.world_size_box, self.remeasure_button]
-        )
-        note = w.HTML(
-            "<span style='color:#555'>Each change runs real DDP steps on this machine's ranks "
-            f"(first bucket: min(cap, {DEFAULT_FIRST_BUCKET_CAP_MB:g} MiB)).</span>"
-        )
-        super().__init__(
-            [
-                controls,
-                note,
-                w.HBox([self.progress, self.status_html]),
-                self.message_html,
-                self.count_html,
-                self.figure,
-            ]
-        )
-        classed(self, "dplab-bucket-explorer")
-        show_figure(self.figure, placeholder_figure("the measured timeline appears here"))
-        if measure:
-            self.measure()
 
     # -- reading the controls ------------------------------------------------------------------
 
@@ -358,3 +350,21 @@ class BucketExplorer(w.VBox):
             self.cluster.close()
             self.cluster = None
         super().close()
+
+
+def _checked(
+    cluster: Cluster | None, model: str, world_size: int | None, bucket_cap_mb: float,
+    batch_size: int, steps: int,
+) -> tuple[float, int]:  # fmt: skip
+    """The checked cap and world size (the cluster's, if none given); a bad value is named."""
+    check_model(model)
+    cap = check_bucket_cap(bucket_cap_mb, "bucket_cap_mb")
+    if world_size is None:
+        world_size = cluster.world_size if cluster is not None else 2
+    check_world_size(world_size)
+    if cluster is not None and cluster.world_size != world_size:
+        raise ValueError(f"world_size={world_size} but the cluster has {cluster.world_size} ranks")
+    for name, value, low in (("batch_size", batch_size, 1), ("steps", steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return cap, world_size

@@ -134,6 +134,29 @@ class SweepRunner(w.VBox):
         self.simulated_rows: list[dict[str, Any]] = []
         self.message = ""
 
+        self._build_controls(model, caps, repeats, batch_size, simulate)
+        self.run_button.on_click(lambda _: self.run())
+        super().__init__(
+            [
+                w.HBox([self.model_dropdown, self.caps_text]),
+                w.HBox([self.repeats_box, self.batch_box, self.simulate_box, self.run_button]),
+                w.HBox([self.progress, self.status_html]),
+                self.message_html,
+                self.figure,
+            ]
+        )
+        classed(self, "dplab-sweep-runner")
+        show_figure(self.figure, placeholder_figure("press run sweep: the U-curve appears here"))
+        self.status_html.value = status_html(
+            f"{len(caps)} caps × {repeats} repeats on {self.world_size} ranks: press run sweep"
+        )
+        if run:
+            self.run()
+
+    def _build_controls(
+        self, model: str, caps: list[float], repeats: int, batch_size: int, simulate: bool
+    ) -> None:
+        """The controls and outputs, each with the CSS class the browser tests find it by."""
         self.model_dropdown = classed(
             w.Dropdown(options=list(MODELS), value=model, description="model", style=_STYLE),
             "dplab-model",
@@ -170,23 +193,6 @@ class SweepRunner(w.VBox):
         self.status_html = classed(w.HTML(), "dplab-status")
         self.message_html = classed(w.HTML(), "dplab-message")
         self.figure = classed(go.FigureWidget(), "dplab-sweep")
-        self.run_button.on_click(lambda _: self.run())
-        super().__init__(
-            [
-                w.HBox([self.model_dropdown, self.caps_text]),
-                w.HBox([self.repeats_box, self.batch_box, self.simulate_box, self.run_button]),
-                w.HBox([self.progress, self.status_html]),
-                self.message_html,
-                self.figure,
-            ]
-        )
-        classed(self, "dplab-sweep-runner")
-        show_figure(self.figure, placeholder_figure("press run sweep: the U-curve appears here"))
-        self.status_html.value = status_html(
-            f"{len(caps)} caps × {repeats} repeats on {self.world_size} ranks: press run sweep"
-        )
-        if run:
-            self.run()
 
     def _read(self) -> tuple[list[float], int, int]:
         caps = parse_caps(self.caps_text.value)

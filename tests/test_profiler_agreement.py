@@ -23,7 +23,10 @@ import torch
 import dplab
 from dplab.models import MLP
 
-STEPS, WARMUP = 20, 2
+# Over 40 steps (320 spans a rank), so that one busy moment of the shared 2-core machine cannot
+# decide the verdict: over 20, one fresh-clone CI run of 2026-12-02 had one rank at 87% close
+# (the goal, unchanged, is 90%), while isolated runs of the test passed.
+STEPS, WARMUP = 40, 2
 # 8 Linear layers of slightly different widths: one bucket each (about 0.25 MiB), no two alike
 WIDTHS = (256, 248, 264, 240, 272, 232, 280, 224, 288)
 CAP_MB = 0.2

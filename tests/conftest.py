@@ -31,3 +31,24 @@ def child_pids() -> set[int]:
         if int(fields[1]) == me and fields[0] != "Z":
             out.add(int(pid))
     return out
+
+
+def no_rank_may_start(self) -> None:
+    raise AssertionError("a rank process was started before the arguments were checked")
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Starting a rank process is a test failure (checked before anything is measured)."""
+    monkeypatch.setattr(dplab.Cluster, "_start", no_rank_may_start)
+
+
+def one_line_error(capsys, *needles: str) -> str:
+    """stderr is one line, ``error: ...``, holding every needle (the flag, the value, why)."""
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]

@@ -20,33 +20,13 @@ import pytest
 
 import dplab
 from dplab.cli import main
-from dplab.launch import Cluster
 from dplab.trace import load_run
 from dplab.trace.files import save_run
+from tests.conftest import one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED_RUN = ROOT / "assets" / "traces" / "tiny-gpt-2ranks-cap5"
 TORCH_TRACES = ROOT / "assets" / "traces" / "torch-ddp-tiny-gpt-2ranks-cap0.5"
-
-
-def _no_rank_may_start(self) -> None:
-    raise AssertionError("a rank process was started before the arguments were checked")
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    monkeypatch.setattr(Cluster, "_start", _no_rank_may_start)
-
-
-def one_line_error(capsys, *needles: str) -> str:
-    """stderr is one line, ``error: ...``, holding every needle."""
-    captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith("error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def _mount_tmpfs(folder: Path, size: str) -> None:

@@ -23,6 +23,7 @@ from dplab.sim import BackwardProfile
 from dplab.sim.link import ASSETS
 from dplab.trace import load_run
 from dplab.trace.files import save_run
+from tests.conftest import no_rank_may_start, one_line_error
 
 PROFILE = ASSETS / "profile_gpt-7m.json"
 
@@ -31,27 +32,6 @@ COMMITTED_RUN = ASSETS / "traces" / "tiny-gpt-2ranks-cap5"
 
 
 FAULT_BOUND_S = 30.0  # the issue's bound from the fault to the error
-
-
-def _no_rank_may_start(self) -> None:
-    raise AssertionError("a rank process was started before the arguments were checked")
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Starting a rank process is a test failure (checked before anything is measured)."""
-    monkeypatch.setattr(Cluster, "_start", _no_rank_may_start)
-
-
-def one_line_error(capsys, *needles: str) -> str:
-    """stderr is one line, ``error: ...``, holding every needle (the flag, the value, why)."""
-    captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith("error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 BAD_TRACE_ARGS = [
@@ -111,7 +91,7 @@ def test_trace_replaces_a_run_only_with_overwrite(tmp_path, monkeypatch, capsys)
     save_run(load_run(COMMITTED_RUN), folder)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     start = Cluster._start
-    monkeypatch.setattr(Cluster, "_start", _no_rank_may_start)
+    monkeypatch.setattr(Cluster, "_start", no_rank_may_start)
     assert main(["trace", "--out", str(folder), "--steps", "1"]) == 2
     monkeypatch.setattr(Cluster, "_start", start)
     one_line_error(capsys, str(folder), "already holds a run", "--overwrite")

@@ -217,10 +217,16 @@ def copy_package(dest: Path, mutation: Mutation | None) -> None:
     target.write_text(source.replace(mutation.anchor, mutation.replacement))
 
 
-def run_nbval(tmp_path: Path, mutation: Mutation | None) -> subprocess.CompletedProcess:
+def run_nbval(
+    tmp_path: Path, mutation: Mutation | None, notebook_node: nbformat.NotebookNode | None = None
+) -> subprocess.CompletedProcess:
+    """The derived notebook (``notebook_node``, or this file's lesson cells up to the mutant's
+    cell) under nbval, with the package copied (and mutated) first; ``-x`` for a mutant."""
     copy_package(tmp_path, mutation)
     notebook = tmp_path / "lesson_claims.ipynb"
-    nbformat.write(derived_notebook(mutation.caught_by if mutation else None), notebook)
+    if notebook_node is None:
+        notebook_node = derived_notebook(mutation.caught_by if mutation else None)
+    nbformat.write(notebook_node, notebook)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax"]
     if mutation is not None:

@@ -11,15 +11,14 @@ passes the same cells first. Cost on 2 idle cores: five kernels and pools, about
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from tests.test_mutations import NBVAL_TIMEOUT_S, Mutation, copy_package, failing_cells
+from tests.test_mutations import Mutation, failing_cells
+from tests.test_mutations import run_nbval as shared_run_nbval
 
 REPO = Path(__file__).resolve().parents[1]
 LESSON = REPO / "notebooks" / "08e_when_dp_goes_wrong.ipynb"
@@ -80,18 +79,8 @@ def derived_notebook(upto: str | None) -> nbformat.NotebookNode:
 
 
 def run_nbval(tmp_path: Path, mutation: Mutation | None) -> subprocess.CompletedProcess:
-    copy_package(tmp_path, mutation)
-    notebook = tmp_path / "lesson_claims.ipynb"
-    nbformat.write(derived_notebook(mutation.caught_by if mutation else None), notebook)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax"]
-    return subprocess.run(
-        [*cmd, *(["-x"] if mutation else []), notebook.name],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=NBVAL_TIMEOUT_S,
+    return shared_run_nbval(
+        tmp_path, mutation, derived_notebook(mutation.caught_by if mutation else None)
     )
 
 

@@ -12,15 +12,14 @@ optimizer summing its all-reduced gradients without dividing by N.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from tests.test_mutations import NBVAL_TIMEOUT_S, NOTEBOOKS, Mutation, copy_package, failing_cells
+from tests.test_mutations import NOTEBOOKS, Mutation, failing_cells
+from tests.test_mutations import run_nbval as shared_run_nbval
 
 LESSON = "09b_past_the_wall.ipynb"
 CELLS = [
@@ -65,21 +64,7 @@ def derived_notebook() -> nbformat.NotebookNode:
 
 
 def run_nbval(tmp_path: Path, mutation: Mutation | None) -> subprocess.CompletedProcess:
-    copy_package(tmp_path, mutation)
-    notebook = tmp_path / "sharding_claims.ipynb"
-    nbformat.write(derived_notebook(), notebook)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax"]
-    if mutation is not None:
-        cmd.append("-x")
-    return subprocess.run(
-        [*cmd, notebook.name],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=NBVAL_TIMEOUT_S,
-    )
+    return shared_run_nbval(tmp_path, mutation, derived_notebook())
 
 
 def test_every_anchor_exists_exactly_once():

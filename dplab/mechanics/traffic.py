@@ -73,6 +73,9 @@ class CommCounter:
     Re-entering an active counter is an error (the wrappers would wrap themselves).
     """
 
+    # collective → the argument holding this rank's payload: the doors this counter watches
+    payload_args: dict[str, str | None] = PAYLOAD_ARG
+
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
         self._phase = "-"
@@ -91,7 +94,7 @@ class CommCounter:
     # -- patching -------------------------------------------------------------------------------
 
     def _wrap(self, op: str, original: Callable) -> Callable:
-        arg = PAYLOAD_ARG[op]
+        arg = self.payload_args[op]
         signature = inspect.signature(original)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -110,8 +113,10 @@ class CommCounter:
     def __enter__(self) -> CommCounter:
         if self._saved:
             raise RuntimeError("this CommCounter is already counting")
-        for op in PAYLOAD_ARG:
-            original = getattr(c10d, op)
+        for op in self.payload_args:
+            original = getattr(c10d, op, None)
+            if original is None:  # a collective this torch does not have
+                continue
             wrapper = self._wrap(op, original)
             for module in (dist, c10d):
                 if getattr(module, op, None) is original:

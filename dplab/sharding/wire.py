@@ -14,15 +14,10 @@ reduce-scatter sends twice what NCCL's does; ``backend="gloo"`` prices it that w
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-
-from dplab.mechanics.traffic import PAYLOAD_ARG, CommCounter, CommRecord, payload_nbytes
+from dplab.mechanics.traffic import PAYLOAD_ARG, CommCounter
 from dplab.sharding.formula import wire_factor
 
 SHARDED_PAYLOAD_ARG = {
@@ -47,36 +42,7 @@ GATHERS = {"all_gather", "all_gather_into_tensor", "all_gather_single"}
 class ShardedCommCounter(CommCounter):
     """:class:`CommCounter` that also sees FSDP2's ``*_single`` collectives."""
 
-    def _wrap(self, op: str, original: Callable) -> Callable:
-        if op in PAYLOAD_ARG:  # the parent's own doors, recorded its way
-            return super()._wrap(op, original)
-        arg = SHARDED_PAYLOAD_ARG[op]
-        signature = inspect.signature(original)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            nbytes, dtype = 0, ""
-            if arg is not None:
-                bound = signature.bind_partial(*args, **kwargs)
-                nbytes, dtype = payload_nbytes(bound.arguments.get(arg))
-            self.records.append(CommRecord(op, nbytes, self._phase, dtype))
-            return original(*args, **kwargs)
-
-        counted.__wrapped__ = original  # type: ignore[attr-defined]
-        return counted
-
-    def __enter__(self) -> ShardedCommCounter:
-        if self._saved:
-            raise RuntimeError("this CommCounter is already counting")
-        for op in SHARDED_PAYLOAD_ARG:
-            original = getattr(c10d, op, None)
-            if original is None:  # an older torch without this collective
-                continue
-            wrapper = self._wrap(op, original)
-            for module in (dist, c10d):
-                if getattr(module, op, None) is original:
-                    self._saved.append((module, op, original))
-                    setattr(module, op, wrapper)
-        return self
+    payload_args = SHARDED_PAYLOAD_ARG
 
 
 @dataclass(frozen=True)

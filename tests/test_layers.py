@@ -2,7 +2,8 @@
 
 Every import is read from the source with ``ast``: at module level and inside functions, plain
 and relative, ``from package import module`` resolved to the module, and
-``importlib.import_module("dplab....")`` with a literal name. A module may import from its own
+``importlib.import_module("dplab....")`` with a literal name, and the modules a package's
+``lazy_exports`` table names (imported on first use, still imports). A module may import from its own
 layer or a lower one; an import from a higher layer is a failure naming both files.
 """
 
@@ -18,7 +19,14 @@ PACKAGE = ROOT / "dplab"
 
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dplab._units", "dplab._checks", "dplab.env", "dplab._nested"),
+    (
+        "dplab._units",
+        "dplab._checks",
+        "dplab.env",
+        "dplab._nested",
+        "dplab._lazy",
+        "dplab.model_config",
+    ),
     (
         "dplab.launch",
         "dplab._worker",
@@ -85,6 +93,14 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             and isinstance(node.args[0].value, str)
         ):
             found.append((node.lineno, node.args[0].value))
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "lazy_exports"
+            and len(node.args) == 2
+            and isinstance(node.args[1], ast.Dict)
+        ):
+            keys = node.args[1].keys
+            found += [(node.lineno, k.value) for k in keys if isinstance(k, ast.Constant)]
     return [(line, m) for line, m in found if m == "dplab" or m.startswith("dplab.")]
 
 
@@ -162,6 +178,7 @@ def test_the_walker_sees_imports_inside_functions_and_relative(tmp_path):
     (fake / "m.py").write_text(
         "def f():\n    from ..viz import timeline\n    import dplab.widgets\n"
         "    importlib.import_module('dplab.cli')\n"
+        "__getattr__, __dir__, __all__ = lazy_exports(globals(), {'dplab.sim.engine': ['x']})\n"
     )
     global ROOT
     saved, ROOT = ROOT, tmp_path
@@ -169,5 +186,7 @@ def test_the_walker_sees_imports_inside_functions_and_relative(tmp_path):
         found = [m for _, m in imports_of(fake / "m.py")]
     finally:
         ROOT = saved
-    assert found == ["dplab.viz.timeline", "dplab.widgets", "dplab.cli"]
-    assert [layer_of(m) for m in found] == [5, 6, 6] and layer_of("dplab.trace.m") == 1
+    assert sorted(found) == sorted(
+        ["dplab.viz.timeline", "dplab.widgets", "dplab.cli", "dplab.sim.engine"]
+    )
+    assert sorted(layer_of(m) for m in found) == [3, 5, 6, 6] and layer_of("dplab.trace.m") == 1

@@ -21,7 +21,7 @@ from dplab.cli._args import (
     positive_int,
     write_failed,
 )
-from dplab.models import MODELS
+from dplab.model_config import MODELS
 from dplab.sim import measure_profile
 from dplab.trace.files import write_atomic
 

@@ -33,8 +33,8 @@ from dplab.cli._args import (
 
 def check_trace_args(args: argparse.Namespace, world_size: int) -> Path:
     """Everything the run would otherwise find out after measuring; the output folder."""
-    from dplab.ddp import VARIANTS
-    from dplab.models import MODELS
+    from dplab.ddp.names import VARIANT_NAMES
+    from dplab.model_config import MODELS
     from dplab.trace.files import check_run_folder
 
     positive_int("--world-size", world_size)
@@ -43,7 +43,7 @@ def check_trace_args(args: argparse.Namespace, world_size: int) -> Path:
     for flag in ("--steps", "--batch-size"):
         positive_int(flag, getattr(args, _attr(flag)))
     count("--warmup", args.warmup)
-    if args.model not in MODELS or args.variant not in VARIANTS:  # argparse's choices, in code
+    if args.model not in MODELS or args.variant not in VARIANT_NAMES:  # argparse's choices, in code
         raise CliError(f"--model {args.model!r} / --variant {args.variant!r}: unknown")
 
     if args.out == "":
@@ -140,14 +140,14 @@ def _trace(args: argparse.Namespace, world_size: int) -> int:
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    from dplab.ddp import VARIANTS
-    from dplab.models import MODELS
+    from dplab.ddp.names import VARIANT_NAMES
+    from dplab.model_config import MODELS
 
     p = sub.add_parser("trace", help="measure traced DDP steps; write JSON, Chrome trace, HTML")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--model", default="tiny-gpt", choices=MODELS)
-    p.add_argument("--variant", default="bucketed", choices=list(VARIANTS))
+    p.add_argument("--variant", default="bucketed", choices=VARIANT_NAMES)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=5)

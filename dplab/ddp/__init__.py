@@ -6,36 +6,24 @@ train and trace DDP steps; they return ``StepTrace`` objects and small dataclass
 (``textbook.py``); :class:`DDP` is torch's DistributedDataParallel, argument for argument.
 """
 
-from dplab.ddp.accumulate import accumulate
-from dplab.ddp.buckets import assign_buckets, bucket_plan, first_bucket_cap
-from dplab.ddp.ddp import DDP
-from dplab.ddp.runs import (
-    VARIANTS,
-    TorchComparison,
-    compare_with_torch,
-    measure_ddp,
-    train_step,
-    wrap,
-)
-from dplab.ddp.textbook import TextbookDDP
-from dplab.ddp.variants import ForwardOrderDDP, NaiveDDP, PerParameterDDP
-from dplab.trace.bucket import Bucket
+from dplab._lazy import lazy_exports
 
-__all__ = [
-    "DDP",
-    "VARIANTS",
-    "Bucket",
-    "ForwardOrderDDP",
-    "NaiveDDP",
-    "PerParameterDDP",
-    "TextbookDDP",
-    "TorchComparison",
-    "accumulate",
-    "assign_buckets",
-    "bucket_plan",
-    "compare_with_torch",
-    "first_bucket_cap",
-    "measure_ddp",
-    "train_step",
-    "wrap",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    globals(),
+    {
+        "dplab.ddp.accumulation": ["accumulate"],
+        "dplab.ddp.buckets": ["assign_buckets", "bucket_plan", "first_bucket_cap"],
+        "dplab.ddp.ddp": ["DDP"],
+        "dplab.ddp.runs": [
+            "VARIANTS",
+            "TorchComparison",
+            "compare_with_torch",
+            "measure_ddp",
+            "train_step",
+            "wrap",
+        ],
+        "dplab.ddp.textbook": ["TextbookDDP"],
+        "dplab.ddp.variants": ["ForwardOrderDDP", "NaiveDDP", "PerParameterDDP"],
+        "dplab.trace.bucket": ["Bucket"],
+    },
+)

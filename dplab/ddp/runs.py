@@ -16,19 +16,15 @@ import torch.distributed as dist
 from torch import nn
 
 from dplab._checks import check_choice, check_count, check_positive_int
-from dplab.ddp.accumulate import accumulate
+from dplab.ddp.accumulation import accumulate
 from dplab.ddp.ddp import DDP
+from dplab.ddp.names import VARIANT_NAMES
 from dplab.ddp.variants import ForwardOrderDDP, NaiveDDP, PerParameterDDP
 from dplab.launch import device as rank_device
 from dplab.models import MODELS, make_batch, make_model
 from dplab.trace import StepMetrics, StepTrace, Tracer
 
-VARIANTS = {
-    "bucketed": DDP,
-    "forward_order": ForwardOrderDDP,
-    "per_parameter": PerParameterDDP,
-    "naive": NaiveDDP,
-}
+VARIANTS = dict(zip(VARIANT_NAMES, (DDP, ForwardOrderDDP, PerParameterDDP, NaiveDDP), strict=True))
 
 
 def _check(model: str, variant: str, steps: int, warmup: int, micro_batches: int) -> None:

@@ -12,64 +12,40 @@ Units: bytes everywhere; figures and sentences print decimal GB (10^9 bytes) as 
 figures do, GPU capacities are nominal GiB (2^30 bytes), see :mod:`dplab.memory.presets`.
 """
 
-from dplab._units import GB, GIB
-from dplab.memory.activations import (
-    RECOMPUTE,
-    gpt_activation_bytes,
-    gpt_block_activation_bytes,
-)
-from dplab.memory.fit import Fit, fits, fmt_gb, min_world_size, verdict
-from dplab.memory.gpt import MEASURED_GPT, lm_loss, measured_gpt, random_batch
-from dplab.memory.measure import (
-    block_saved_bytes,
-    layernorm_stats_bytes,
-    measure_recipe,
-    model_saved_bytes,
-)
-from dplab.memory.presets import GPU, GPUS, LLM_SHAPES, ModelConfig, gpt_shape_for
-from dplab.memory.ranks import rank_state
-from dplab.memory.recipes import (
-    OPTIMIZERS,
-    PARTS,
-    PRECISIONS,
-    BytesPerParam,
-    bytes_per_param,
-)
-from dplab.memory.state import STAGE_LABELS, ZERO_STAGES, StateBytes, model_state_bytes, state_bytes
+from dplab._lazy import lazy_exports
 
-__all__ = [
-    "GB",
-    "GIB",
-    "GPU",
-    "GPUS",
-    "LLM_SHAPES",
-    "MEASURED_GPT",
-    "OPTIMIZERS",
-    "PARTS",
-    "PRECISIONS",
-    "RECOMPUTE",
-    "STAGE_LABELS",
-    "ZERO_STAGES",
-    "BytesPerParam",
-    "Fit",
-    "ModelConfig",
-    "StateBytes",
-    "block_saved_bytes",
-    "bytes_per_param",
-    "fits",
-    "fmt_gb",
-    "gpt_activation_bytes",
-    "gpt_block_activation_bytes",
-    "gpt_shape_for",
-    "layernorm_stats_bytes",
-    "lm_loss",
-    "measure_recipe",
-    "measured_gpt",
-    "min_world_size",
-    "model_saved_bytes",
-    "model_state_bytes",
-    "random_batch",
-    "rank_state",
-    "state_bytes",
-    "verdict",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    globals(),
+    {
+        "dplab._units": ["GB", "GIB"],
+        "dplab.memory.activations": [
+            "RECOMPUTE",
+            "gpt_activation_bytes",
+            "gpt_block_activation_bytes",
+        ],
+        "dplab.memory.fit": ["Fit", "fits", "fmt_gb", "min_world_size", "verdict"],
+        "dplab.memory.gpt": ["MEASURED_GPT", "lm_loss", "measured_gpt", "random_batch"],
+        "dplab.memory.measure": [
+            "block_saved_bytes",
+            "layernorm_stats_bytes",
+            "measure_recipe",
+            "model_saved_bytes",
+        ],
+        "dplab.memory.presets": ["GPU", "GPUS", "LLM_SHAPES", "ModelConfig", "gpt_shape_for"],
+        "dplab.memory.ranks": ["rank_state"],
+        "dplab.memory.recipes": [
+            "OPTIMIZERS",
+            "PARTS",
+            "PRECISIONS",
+            "BytesPerParam",
+            "bytes_per_param",
+        ],
+        "dplab.memory.state": [
+            "STAGE_LABELS",
+            "ZERO_STAGES",
+            "StateBytes",
+            "model_state_bytes",
+            "state_bytes",
+        ],
+    },
+)

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from dplab._checks import check_nonneg
-from dplab._nested import tensors_in
 from dplab._units import MIB
 from dplab.sim.contention import Contention, contention_rank
 from dplab.trace.observer import NullObserver
@@ -166,6 +165,8 @@ class GradTimer(NullObserver):
         self.start = self.end = None
 
     def forward_end(self, output: Any) -> None:
+        from dplab._nested import tensors_in  # torch: the simulator's import stays without it
+
         tensor = next((t for t in tensors_in(output) if t.requires_grad), None)
         if tensor is not None:
             tensor.register_hook(self._backward_starts)

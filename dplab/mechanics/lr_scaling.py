@@ -260,3 +260,54 @@ def scaling_summary(runs: dict[str, dict[str, Any]], *, target: float = 0.01) ->
             "target": target,
         }
     return out
+
+
+@dataclass(frozen=True)
+class FactorSetup:
+    """Which factor of η reproduces the small batch's training, at a rate gentle enough that
+    no factor needs a warm-up: B at η against kB at f·η for each f, the same epochs."""
+
+    base_batch: int = 64
+    base_lr: float = 0.03
+    k: int = 32
+    epochs: int = 2
+
+    def factors(self) -> dict[str, float]:
+        """The linear rule's k and the wrong factors it must beat: too small twice, too large."""
+        k = self.k
+        return {"√k": math.sqrt(k), "k/2": k / 2, "k": float(k), "2k": 2.0 * k}
+
+
+def log_gap(run: dict[str, Any], reference: dict[str, Any], *, after: float = 0.25) -> float:
+    """Mean of log(excess loss / reference's) over the evaluations past ``after`` epochs:
+    0 when the two curves coincide epoch for epoch, +0.69 when ``run`` is 2× behind throughout,
+    negative when it is ahead. nan if either diverged (its curve stops early)."""
+    if run["diverged_at_step"] is not None or reference["diverged_at_step"] is not None:
+        return math.nan
+    curves = zip(reference["epochs"], reference["excess_loss"], run["excess_loss"], strict=True)
+    logs = [math.log(w / v) for e, v, w in curves if e >= after]
+    return sum(logs) / len(logs) if logs else math.nan
+
+
+def factor_runs(
+    cluster: Any = None, setup: FactorSetup | None = None, *, seed: int = 0
+) -> dict[str, Any]:
+    """The small batch at η, then kB at each factor of η; each factor's :func:`log_gap`."""
+    setup = setup or FactorSetup()
+
+    def run(batch: int, lr: float) -> dict[str, Any]:
+        kwargs = {"batch": batch, "lr": lr, "warmup_epochs": 0.0, "epochs": setup.epochs}
+        if cluster is None:
+            return train_counts(**kwargs, seed=seed)
+        return cluster.run(train_counts, **kwargs, seed=seed)[0]
+
+    small = run(setup.base_batch, setup.base_lr)
+    large = {
+        name: run(setup.k * setup.base_batch, f * setup.base_lr)
+        for name, f in setup.factors().items()
+    }
+    return {
+        "small": small,
+        "large": large,
+        "gap": {name: log_gap(r, small) for name, r in large.items()},
+    }

@@ -3,8 +3,8 @@
 Every import is read from the source with ``ast``: at module level and inside functions, plain
 and relative, ``from package import module`` resolved to the module, and
 ``importlib.import_module("dplab....")`` with a literal name, and the modules a package's
-``lazy_exports`` table names (imported on first use, still imports). A module may import from its own
-layer or a lower one; an import from a higher layer is a failure naming both files.
+``lazy_exports`` table names (imported on first use, still imports). A module may import from
+its own layer or a lower one; an import from a higher layer is a failure naming both files.
 """
 
 from __future__ import annotations

@@ -337,6 +337,14 @@ def real_profile(cluster2) -> BackwardProfile:
     return measure_profile("tiny-gpt", cluster=cluster2, steps=3, warmup=1, contention_repeats=1)
 
 
+def test_a_profile_on_one_rank_has_no_contention_to_probe():
+    """One rank sends nothing: the contention probe used to divide by its zero bytes."""
+    from dplab.sim import measure_profile
+
+    p = measure_profile("tiny-gpt", world_size=1, batch_size=2, steps=2, warmup=1)
+    assert p.contention is None and p.meta["world_size"] == 1 and p.backward_ms > 0
+
+
 def test_profile_from_real_ranks_is_one_plausible_entry_per_trainable_parameter(real_profile):
     model = make_model("tiny-gpt")
     expected = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]

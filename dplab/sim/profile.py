@@ -238,10 +238,11 @@ def profile_rank(
         "world_size": dist.get_world_size(),
         "device": str(params[0][1].device),
     }
-    if contention_repeats > 0 and dev.type == "cpu":
-        # The probe measures gloo's threads stealing CPU cores from backward. On a GPU the
-        # slowdown comes from NCCL's kernels sharing the SMs and memory bandwidth, which this
-        # probe cannot see; the simulator's GPU default, free overlap, is an assumption there.
+    if contention_repeats > 0 and dev.type == "cpu" and dist.get_world_size() > 1:
+        # One rank sends nothing, so there is nothing to probe. The probe measures gloo's
+        # threads stealing CPU cores from backward. On a GPU the slowdown comes from NCCL's
+        # kernels sharing the SMs and memory bandwidth, which this probe cannot see; the
+        # simulator's GPU default, free overlap, is an assumption there.
         backward_ms = statistics.median(s["backward_ms"] for s in samples)
         batch = make_batch(model, batch_size, seed=seed + 7919 + rank)
         # A fresh copy of the model: the probe's backward should not run DDP's hooks.

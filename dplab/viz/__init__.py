@@ -11,6 +11,7 @@ from dplab.viz.mechanics import (
 )
 from dplab.viz.memory import fit_figure, memory_bars, memory_vs_world_size, world_size_curves
 from dplab.viz.regime import regime_figure
+from dplab.viz.scaling import efficiency, scaling_figure
 from dplab.viz.sharded import zero3_cost_figure
 from dplab.viz.sweep import sweep_figure
 from dplab.viz.timeline import timeline_figure
@@ -19,6 +20,7 @@ __all__ = [
     "activation_memory_figure",
     "bandwidth_figure",
     "bucket_map_figure",
+    "efficiency",
     "fit_figure",
     "loss_curves_figure",
     "memory_bars",
@@ -27,6 +29,7 @@ __all__ = [
     "parallel3d_figure",
     "regime_figure",
     "ring_step_figure",
+    "scaling_figure",
     "sweep_figure",
     "timeline_figure",
     "traffic_figure",

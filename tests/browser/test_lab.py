@@ -1,10 +1,11 @@
 """The course as a learner sees it: lessons run in JupyterLab in a real Chromium.
 
-For the start page and every lesson with a widget (every lesson with ``DPLAB_BROWSER_ALL=1``):
-Run All, then no error output, every plotly figure drawn (its
-``svg.main-svg``), every widget drawn. Then the lessons' widgets are used as a learner uses
-them: the bucket-cap slider of §8f moved with the keyboard re-measures the step and the bucket
-count changes; the model of §9's memory wall changed with the dropdown changes the verdict.
+For the start page, the lessons whose widgets are used below, and the other lessons' widget
+cells gathered in one notebook (every lesson whole with ``DPLAB_BROWSER_ALL=1``): Run All,
+then no error output, every plotly figure drawn (its ``svg.main-svg``), every widget drawn.
+Then the lessons' widgets are used as a learner uses them: the bucket-cap slider of §8f moved
+with the keyboard re-measures the step and the bucket count changes; the model of §9's memory
+wall changed with the dropdown changes the verdict.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
+import nbformat
 import pytest
 
 from tests.browser.conftest import Lessons
@@ -27,20 +30,53 @@ def _has_widgets(name: str) -> bool:
 
 
 # nbval already runs every lesson and fails on any error; what only a browser can check is that
-# widgets are drawn and answer. So CI opens the start page and every lesson with a widget;
-# DPLAB_BROWSER_ALL=1 opens every lesson (each one costs about as long as its nbval run).
+# widgets are drawn and answer. So CI opens the start page and the lessons whose widgets are
+# used below (§8f's slider, §9's dropdown) whole; the other lessons' widget cells run verbatim in
+# one small notebook (GALLERY), after a setup cell that loads what they need from assets/.
+# DPLAB_BROWSER_ALL=1 opens every lesson whole (each costs about as long as its nbval run).
+USED_BELOW = {"08f_your_own_job.ipynb", "09_memory_wall.ipynb"}
+GALLERY = "widget_gallery.ipynb"
+GALLERY_SETUP = (
+    "import json\n"
+    "from dplab.sim import BackwardProfile\n"
+    "from dplab.sim.link import ASSETS\n"
+    "# 08c's profile, measured on these 2 cores and saved: the widget needs no ranks\n"
+    "profile = BackwardProfile.from_dict(json.loads((ASSETS / 'profile_gpt-7m.json').read_text()))"
+)
+EVERY_LESSON = os.environ.get("DPLAB_BROWSER_ALL") == "1"
 LESSONS = sorted(
     name
     for name in lesson_names()
-    if os.environ.get("DPLAB_BROWSER_ALL") == "1"
-    or name == "00_start_here.ipynb"
-    or _has_widgets(name)
+    if EVERY_LESSON or name == "00_start_here.ipynb" or name in USED_BELOW
 )
+DRAWN_ONLY = (
+    [] if EVERY_LESSON else [n for n in lesson_names() if _has_widgets(n) and n not in USED_BELOW]
+)
+if DRAWN_ONLY:
+    LESSONS.append(GALLERY)
+
+
+def write_gallery(root: Path) -> None:
+    """The widget cells of ``DRAWN_ONLY``'s lessons, verbatim, after ``GALLERY_SETUP``."""
+    gallery = nbformat.v4.new_notebook()
+    gallery.cells.append(nbformat.v4.new_code_cell(GALLERY_SETUP))
+    for name in DRAWN_ONLY:
+        cells = nbformat.read(NOTEBOOKS / name, as_version=4).cells
+        widget_cells = [c for c in cells if c.cell_type == "code" and "dplab.widgets" in c.source]
+        assert widget_cells, name
+        gallery.cells.append(nbformat.v4.new_markdown_cell(f"From {name}:"))
+        gallery.cells.extend(nbformat.v4.new_code_cell(c.source) for c in widget_cells)
+    gallery.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3"}}
+    nbformat.write(gallery, root / GALLERY)
+
+
 WIDGET_TIMEOUT_MS = 180_000  # a re-measure on a busy 2-core machine, with room to spare
 
 
 @pytest.mark.parametrize("name", LESSONS, ids=[n.removesuffix(".ipynb") for n in LESSONS])
 def test_lesson_runs_and_draws(name: str, lessons: Lessons, pages_to_keep: list[Any]) -> None:
+    if name == GALLERY:
+        write_gallery(lessons.server.root)
     lesson = lessons.run(name, pages_to_keep)
     assert lesson.code_cells(), f"{name} has no code cells"
     errors = lesson.errors()

@@ -10,9 +10,9 @@ package :mod:`dplab.launch`, which needs no torch.
 """
 
 from dplab._lazy import lazy_exports
-from dplab.launch import Cluster, RankError, RankTimeout, device, launch
+from dplab.launch import Cluster, RankError, RankTimeout, device, launch  # noqa: F401
 
-__getattr__, __dir__, _ = lazy_exports(
+__getattr__, __dir__, _lazy_names = lazy_exports(
     globals(),
     {
         "dplab.ddp": ["DDP", "ForwardOrderDDP", "NaiveDDP", "PerParameterDDP", "TextbookDDP"],
@@ -21,19 +21,5 @@ __getattr__, __dir__, _ = lazy_exports(
         "dplab.trace.tracer": ["Tracer"],
     },
 )
-__all__ = [
-    "DDP",
-    "Bucket",
-    "Cluster",
-    "ForwardOrderDDP",
-    "NaiveDDP",
-    "PerParameterDDP",
-    "RankError",
-    "RankTimeout",
-    "StepTrace",
-    "TextbookDDP",
-    "Tracer",
-    "device",
-    "launch",
-]
+__all__ = sorted([*_lazy_names, "Cluster", "RankError", "RankTimeout", "device", "launch"])
 __version__ = "0.1.0"

@@ -3,8 +3,10 @@
 Why: ``python -m dplab simulate`` prices a step on 1,024 GPUs with arithmetic alone, yet importing
 ``dplab`` used to import torch (about 1.9 s) through the package ``__init__`` files. With this,
 ``dplab``, ``dplab.ddp``, ``dplab.trace`` and ``dplab.collectives`` name what they export and where
-it lives; the module holding a name is imported when the name is first read, so a verb that needs
-no tensor never loads torch. ``from dplab.ddp import DDP`` and ``dplab.DDP`` work as before.
+it lives (as do ``dplab.memory`` and ``dplab.collectives``); the module holding a name is imported
+when the name is first read, so a verb that needs no tensor never loads torch. ``from dplab.ddp
+import DDP``, ``dplab.DDP`` and ``dplab.trace.Span`` after a bare ``import dplab`` work as before:
+a subpackage read as an attribute is imported on first use too.
 
 A public name must not also be a submodule's name: importing the submodule would set the package
 attribute to the module and hide the function (``tests/test_lazy_exports.py`` checks this).
@@ -13,6 +15,7 @@ attribute to the module and hide the function (``tests/test_lazy_exports.py`` ch
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,10 +33,14 @@ def lazy_exports(
     def __getattr__(name: str) -> Any:
         module = home.get(name)
         if module is None:
+            if not name.startswith("_") and importlib.util.find_spec(f"{package_name}.{name}"):
+                return importlib.import_module(f"{package_name}.{name}")  # sets the attribute
             raise AttributeError(f"module {package_name!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         package[name] = value  # the next read is a plain attribute
         return value
+
+    __getattr__.home = home  # type: ignore[attr-defined]  # where each name lives, for tests
 
     def __dir__() -> list[str]:
         return sorted(set(package) | set(home))

@@ -18,11 +18,11 @@ LAZY = ("dplab", "dplab.ddp", "dplab.trace", "dplab.collectives", "dplab.memory"
 @pytest.mark.parametrize("package", LAZY)
 def test_every_public_name_resolves_to_its_home_object(package):
     pkg = importlib.import_module(package)
+    home = pkg.__getattr__.home  # name -> the module the package's table says holds it
     for name in pkg.__all__:
         value = getattr(pkg, name)
-        home = getattr(value, "__module__", None)
-        if home and home.startswith("dplab") and not isinstance(value, type(pkg)):
-            assert getattr(importlib.import_module(home), name, value) is value, name
+        if name in home:  # dplab's eagerly imported launch names are plain attributes
+            assert getattr(importlib.import_module(home[name]), name) is value, name
         assert name in dir(pkg)
     with pytest.raises(AttributeError, match=f"{package!r} has no attribute 'no_such_name'"):
         pkg.no_such_name  # noqa: B018
@@ -45,6 +45,12 @@ def test_launch_and_accumulate_stay_functions_after_their_modules_are_imported()
 
     assert callable(dplab.launch) and dplab.launch.__name__ == "launch"
     assert dplab.ddp.accumulate.__name__ == "accumulate"
+
+
+def test_a_subpackage_read_as_an_attribute_after_a_bare_import_is_imported():
+    code = "import dplab\nprint(dplab.trace.NullObserver.__name__, dplab.ddp.DDP.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["NullObserver", "DDP"], out.stderr
 
 
 def _imports_torch(code: str) -> bool:

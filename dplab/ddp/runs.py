@@ -24,7 +24,13 @@ from dplab.launch import device as rank_device
 from dplab.models import MODELS, make_batch, make_model
 from dplab.trace import StepMetrics, StepTrace, Tracer
 
-VARIANTS = dict(zip(VARIANT_NAMES, (DDP, ForwardOrderDDP, PerParameterDDP, NaiveDDP), strict=True))
+VARIANTS = {
+    "bucketed": DDP,
+    "forward_order": ForwardOrderDDP,
+    "per_parameter": PerParameterDDP,
+    "naive": NaiveDDP,
+}
+assert tuple(VARIANTS) == VARIANT_NAMES, "dplab/ddp/names.py lists the variants the CLI offers"
 
 
 def _check(model: str, variant: str, steps: int, warmup: int, micro_batches: int) -> None:

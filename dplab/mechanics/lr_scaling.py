@@ -262,6 +262,9 @@ def scaling_summary(runs: dict[str, dict[str, Any]], *, target: float = 0.01) ->
     return out
 
 
+EXCESS_FLOOR = 1e-6  # nats: far below any excess loss the lessons reach
+
+
 @dataclass(frozen=True)
 class FactorSetup:
     """Which factor of η reproduces the small batch's training, at a rate gentle enough that
@@ -284,8 +287,13 @@ def log_gap(run: dict[str, Any], reference: dict[str, Any], *, after: float = 0.
     negative when it is ahead. nan if either diverged (its curve stops early)."""
     if run["diverged_at_step"] is not None or reference["diverged_at_step"] is not None:
         return math.nan
+    if run["epochs"] != reference["epochs"]:
+        raise ValueError("the two runs were evaluated at different epochs: compare like with like")
     curves = zip(reference["epochs"], reference["excess_loss"], run["excess_loss"], strict=True)
-    logs = [math.log(w / v) for e, v, w in curves if e >= after]
+    # the floor is measured on the same samples, so a fit can dip just below it: clamp there
+    logs = [
+        math.log(max(w, EXCESS_FLOOR) / max(v, EXCESS_FLOOR)) for e, v, w in curves if e >= after
+    ]
     return sum(logs) / len(logs) if logs else math.nan
 
 

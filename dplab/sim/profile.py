@@ -198,8 +198,8 @@ def profile_rank(
 
     Each step starts at a barrier so the ranks compute at the same time, as in a DDP step.
     The optimizer is SGD, as :func:`dplab.ddp.measure_ddp` uses. With
-    ``contention_repeats`` > 0 it then runs the contention probe
-    (:func:`~dplab.sim.contention.contention_rank`).
+    ``contention_repeats`` > 0, on CPU ranks and more than one of them, it then runs the
+    contention probe (:func:`~dplab.sim.contention.contention_rank`).
     """
     import torch
     import torch.distributed as dist

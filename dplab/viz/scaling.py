@@ -36,6 +36,7 @@ def scaling_figure(
     """Efficiency by world size (log axis). Each mapping is world size → step ms at a fixed
     per-rank batch; each is normalised to its own smallest world size."""
     fig = go.Figure()
+    top = 0.0
     series = (
         (measured, "measured on these ranks", COLORS["allreduce"], "markers", "circle"),
         (predicted, "simulated, same ranks", COLORS["predicted"], "markers", "circle-open"),
@@ -43,6 +44,7 @@ def scaling_figure(
     )
     for steps, name, color, mode, symbol in series:
         eff = efficiency(steps)
+        top = max(top, *eff.values())
         fig.add_trace(
             go.Scatter(
                 x=list(eff),
@@ -55,5 +57,9 @@ def scaling_figure(
             )
         )
     fig.update_xaxes(type="log", title="world size N (ranks or GPUs)")
-    fig.update_yaxes(title="efficiency (1 = N× the throughput)", range=[0, 1.1], tickformat=".0%")
+    fig.update_yaxes(
+        title="efficiency (1 = N× the throughput)",
+        range=[0, max(1.1, 1.05 * top)],
+        tickformat=".0%",
+    )
     return layout(fig, title=title, height=height)

@@ -2,11 +2,11 @@
 
 Why: ``python -m dplab simulate`` prices a step on 1,024 GPUs with arithmetic alone, yet importing
 ``dplab`` used to import torch (about 1.9 s) through the package ``__init__`` files. With this,
-``dplab``, ``dplab.ddp``, ``dplab.trace`` and ``dplab.collectives`` name what they export and where
-it lives (as do ``dplab.memory`` and ``dplab.collectives``); the module holding a name is imported
-when the name is first read, so a verb that needs no tensor never loads torch. ``from dplab.ddp
-import DDP``, ``dplab.DDP`` and ``dplab.trace.Span`` after a bare ``import dplab`` work as before:
-a subpackage read as an attribute is imported on first use too.
+``dplab``, ``dplab.ddp``, ``dplab.trace``, ``dplab.collectives`` and ``dplab.memory`` name what
+they export and where it lives; the module holding a name is imported when the name is first
+read, so a verb that needs no tensor never loads torch. ``from dplab.ddp import DDP``,
+``dplab.DDP`` and ``dplab.trace.Span`` after a bare ``import dplab`` work as before: a
+subpackage read as an attribute is imported on first use too.
 
 A public name must not also be a submodule's name: importing the submodule would set the package
 attribute to the module and hide the function (``tests/test_lazy_exports.py`` checks this).

@@ -11,6 +11,11 @@ the cells that failed and how often, and the median time; ``--times`` also write
     flock /tmp/dplab-cpu.lock python benchmarks/notebook_flakiness.py --runs 10 --load cpu
     python benchmarks/notebook_flakiness.py --runs 1 --times    # refresh the recorded times
 
+Twenty rounds are hours of a 2-core machine. ``--append FILE`` adds this call's runs to the
+tallies saved in FILE (created if missing; one load per file), so rounds can be spread over
+sessions, one notebook at a time, leaving the lock free between runs for other work; ``--report
+FILE`` prints the table of a saved file without running anything.
+
 Run it under the CPU lock on a machine with nothing else running: the point is the lessons'
 own margins, measured on the same 2 cores CI has.
 """
@@ -47,6 +52,32 @@ class Tally:
     failed_cells: Counter = field(default_factory=Counter)
     seconds: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+
+    def add(self, other: Tally) -> None:
+        self.runs += other.runs
+        self.red += other.red
+        self.failed_cells.update(other.failed_cells)
+        self.seconds += other.seconds
+        self.errors += other.errors
+
+    def to_dict(self) -> dict:
+        return {"runs": self.runs, "red": self.red, "failed_cells": dict(self.failed_cells),
+                "seconds": self.seconds, "errors": self.errors[:3]}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Tally:
+        return cls(d["runs"], d["red"], Counter(d["failed_cells"]), list(d["seconds"]),
+                   list(d.get("errors", [])))  # fmt: skip
+
+
+def load_saved(path: Path, load: str) -> dict[str, Tally]:
+    """The tallies saved in ``path`` by ``--append`` (none when it does not exist yet)."""
+    if not path.exists():
+        return {}
+    saved = json.loads(path.read_text())
+    if saved.get("load") != load:
+        raise SystemExit(f"{path} holds runs with load {saved.get('load')!r}, not {load!r}")
+    return {name: Tally.from_dict(d) for name, d in saved["notebooks"].items()}
 
 
 def run_once(notebook: Path) -> tuple[bool, list[str], float, str]:
@@ -134,7 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="notebook names (default: every lesson)")
     ap.add_argument("--times", action="store_true", help=f"write {TIMES_JSON.name}")
     ap.add_argument("--json", type=Path, help="write the tallies here")
+    ap.add_argument("--append", type=Path, help="add this call's runs to the tallies saved here")
+    ap.add_argument("--report", type=Path, help="print the table of a saved file, run nothing")
     args = ap.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        print(report(load_saved(args.report, saved["load"]), saved["load"]))
+        return 0
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
     notebooks = sorted(NOTEBOOKS.glob("[0-9][0-9]*.ipynb"))
@@ -143,16 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         notebooks = [nb for nb in notebooks if nb.stem in wanted]
         if not notebooks:
             ap.error(f"no notebook named {sorted(wanted)}")
+    total = load_saved(args.append, args.load) if args.append else {}  # before any run
     tallies = run_rounds(notebooks, args.runs, args.load)
+    if args.append:
+        for name, t in tallies.items():
+            total.setdefault(name, Tally()).add(t)
+        args.append.write_text(json.dumps({"load": args.load, "notebooks": {
+            name: t.to_dict() for name, t in sorted(total.items())}}, indent=1))  # fmt: skip
+        tallies = total
     print(report(tallies, args.load))
     for name, t in tallies.items():
         for tail in t.errors[:1]:
             print(f"\n--- {name}, first red run:\n{tail}")
     if args.json:
-        args.json.write_text(json.dumps({n: {"runs": t.runs, "red": t.red,
-                                             "failed_cells": dict(t.failed_cells),
-                                             "seconds": t.seconds}
-                                         for n, t in tallies.items()}, indent=1))  # fmt: skip
+        args.json.write_text(json.dumps({n: t.to_dict() for n, t in tallies.items()}, indent=1))
     if args.times:
         write_times(
             tallies, "python benchmarks/notebook_flakiness.py " + " ".join(argv or sys.argv[1:])

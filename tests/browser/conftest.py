@@ -6,6 +6,11 @@ test's pages are saved as screenshots under ``test-artifacts/`` with the server'
 
 The browser lives for one module, not the session: Playwright's sync API holds an event loop
 while it runs, and the notebook tests (nbval) that follow in the same pytest run need their own.
+
+A lesson that the browser runs whole (Run All in JupyterLab, failing on any error output or any
+cell left unrun: everything ``--nbval-lax`` checks) is not run a second time by nbval in the
+same pytest run; the terminal summary names those lessons. Without a browser, or when the
+browser tests are not selected, nbval runs every lesson.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
@@ -26,6 +32,40 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
     report = yield
     setattr(item, f"report_{report.when}", report)
     return report
+
+
+_WHOLE_LESSON = re.compile(r"tests/browser/test_lab\.py::test_lesson_runs_and_draws\[(.+)\]$")
+_RAN_IN_LAB = pytest.StashKey[list[str]]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what they deselect
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if require_browser_reason() is not None:
+        return
+    whole = {m.group(1) for item in items if (m := _WHOLE_LESSON.match(item.nodeid))}
+    if not whole:
+        return
+    in_lab = [
+        item
+        for item in items
+        if PurePosixPath(item.nodeid.split("::")[0]).suffix == ".ipynb"
+        and PurePosixPath(item.nodeid.split("::")[0]).stem in whole
+    ]
+    if in_lab:
+        config.hook.pytest_deselected(items=in_lab)
+        items[:] = [item for item in items if item not in in_lab]
+        config.stash[_RAN_IN_LAB] = sorted(
+            {PurePosixPath(i.nodeid.split("::")[0]).stem for i in in_lab}
+        )
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    lessons = config.stash.get(_RAN_IN_LAB, None)
+    if lessons:
+        terminalreporter.write_line(
+            "nbval: run whole in JupyterLab by tests/browser instead (every cell, no error "
+            "output): " + ", ".join(lessons)
+        )
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,54 @@
+"""The flakiness benchmark's bookkeeping: runs spread over sessions add up, loads never mix.
+
+Only the tallies are tested here (the notebooks' runs are faked): the runs themselves are the
+benchmark's, and their results live in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "notebook_flakiness", ROOT / "benchmarks" / "notebook_flakiness.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    outcomes = iter([(True, [], 10.0, ""), (False, ["Cell 4"], 30.0, "boom"), (True, [], 20.0, "")])
+    monkeypatch.setattr(mod, "run_once", lambda nb: next(outcomes))
+    return mod
+
+
+def test_appended_runs_add_up_and_the_report_reads_them(bench, tmp_path, capsys):
+    saved = tmp_path / "quiet.json"
+    for _ in range(3):
+        assert bench.main(["--runs", "1", "--only", "03_dp_mechanics", "--append", str(saved)]) == 0
+    t = json.loads(saved.read_text())["notebooks"]["03_dp_mechanics.ipynb"]
+    assert (t["runs"], t["red"], t["failed_cells"], t["seconds"]) == (
+        3,
+        1,
+        {"Cell 4": 1},
+        [10, 30, 20],
+    )
+    capsys.readouterr()
+    assert bench.main(["--report", str(saved)]) == 0
+    assert "| 03_dp_mechanics.ipynb | 3 | 1 | Cell 4 (1) | 20 | 30 |" in capsys.readouterr().out
+
+
+def test_a_file_of_quiet_runs_refuses_loaded_ones_before_running(bench, tmp_path, monkeypatch):
+    saved = tmp_path / "quiet.json"
+    bench.main(["--runs", "1", "--only", "03_dp_mechanics", "--append", str(saved)])
+    monkeypatch.setattr(bench, "cpu_hog", lambda: pytest.fail("a hog was started"))
+    with pytest.raises(SystemExit, match="load 'none', not 'cpu'"):
+        bench.main(["--runs", "1", "--load", "cpu", "--only", "03_dp_mechanics",
+                    "--append", str(saved)])  # fmt: skip

@@ -14,7 +14,9 @@ the cells that failed and how often, and the median time; ``--times`` also write
 Twenty rounds are hours of a 2-core machine. ``--append FILE`` adds this call's runs to the
 tallies saved in FILE (created if missing; one load per file), so rounds can be spread over
 sessions, one notebook at a time, leaving the lock free between runs for other work; ``--report
-FILE`` prints the table of a saved file without running anything.
+FILE`` prints the table of a saved file without running anything. A saved tally belongs to one
+version of its notebook (the file's SHA-256): when the notebook has changed since, its old runs
+are dropped, and said so. Each tally also lists the commits its runs were made on.
 
 Run it under the CPU lock on a machine with nothing else running: the point is the lessons'
 own margins, measured on the same 2 cores CI has.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -52,8 +55,11 @@ class Tally:
     failed_cells: Counter = field(default_factory=Counter)
     seconds: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    sha: str = ""  # of the notebook the runs ran
+    commits: list[str] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
+        self.commits += [c for c in other.commits if c not in self.commits]
         self.runs += other.runs
         self.red += other.red
         self.failed_cells.update(other.failed_cells)
@@ -62,12 +68,24 @@ class Tally:
 
     def to_dict(self) -> dict:
         return {"runs": self.runs, "red": self.red, "failed_cells": dict(self.failed_cells),
-                "seconds": self.seconds, "errors": self.errors[:3]}  # fmt: skip
+                "seconds": self.seconds, "errors": self.errors[:3], "sha": self.sha,
+                "commits": self.commits}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> Tally:
         return cls(d["runs"], d["red"], Counter(d["failed_cells"]), list(d["seconds"]),
-                   list(d.get("errors", [])))  # fmt: skip
+                   list(d["errors"]), d["sha"], list(d["commits"]))  # fmt: skip
+
+
+def notebook_sha(notebook: Path) -> str:
+    return hashlib.sha256(notebook.read_bytes()).hexdigest()[:16]
+
+
+def head_commit() -> str:
+    """The commit the runs are made on, ``-dirty`` when the working tree differs from it."""
+    done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                          capture_output=True, text=True)  # fmt: skip
+    return done.stdout.strip() or "unknown"
 
 
 def load_saved(path: Path, load: str) -> dict[str, Tally]:
@@ -109,7 +127,8 @@ def cpu_hog() -> subprocess.Popen:
 
 
 def run_rounds(notebooks: list[Path], runs: int, load: str) -> dict[str, Tally]:
-    tallies = {nb.name: Tally() for nb in notebooks}
+    commit = head_commit()
+    tallies = {nb.name: Tally(sha=notebook_sha(nb), commits=[commit]) for nb in notebooks}
     hog = cpu_hog() if load == "cpu" else None
     try:
         for k in range(runs):
@@ -184,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     tallies = run_rounds(notebooks, args.runs, args.load)
     if args.append:
         for name, t in tallies.items():
-            total.setdefault(name, Tally()).add(t)
+            old = total.get(name)
+            if old is not None and old.sha == t.sha:
+                old.add(t)
+                continue
+            if old is not None:
+                print(f"{name} changed since its {old.runs} saved runs: they are dropped")
+            total[name] = t
         args.append.write_text(json.dumps({"load": args.load, "notebooks": {
             name: t.to_dict() for name, t in sorted(total.items())}}, indent=1))  # fmt: skip
         tallies = total

@@ -52,3 +52,14 @@ def test_a_file_of_quiet_runs_refuses_loaded_ones_before_running(bench, tmp_path
     with pytest.raises(SystemExit, match="load 'none', not 'cpu'"):
         bench.main(["--runs", "1", "--load", "cpu", "--only", "03_dp_mechanics",
                     "--append", str(saved)])  # fmt: skip
+
+
+def test_a_changed_notebook_starts_over(bench, tmp_path, monkeypatch, capsys):
+    saved = tmp_path / "quiet.json"
+    args = ["--runs", "1", "--only", "03_dp_mechanics", "--append", str(saved)]
+    bench.main(args)
+    monkeypatch.setattr(bench, "notebook_sha", lambda nb: "another version")
+    bench.main(args)
+    assert "changed since its 1 saved runs: they are dropped" in capsys.readouterr().out
+    t = json.loads(saved.read_text())["notebooks"]["03_dp_mechanics.ipynb"]
+    assert (t["runs"], t["sha"]) == (1, "another version")

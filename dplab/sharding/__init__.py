@@ -6,8 +6,9 @@ many ranks there are. Here the same small GPT runs under DDP, ZeRO-1 (torch's
 ``reshard_after_forward=False``, ZeRO-2-like), and each rank measures what it holds
 (:mod:`~dplab.sharding.ranks`) against the paper's accounting (:mod:`~dplab.sharding.formula`),
 what it sends (:mod:`~dplab.sharding.wire`) and whether it still averages
-(:mod:`~dplab.sharding.averaging`). :mod:`~dplab.sharding.compat` finds FSDP2 in the installed
-torch, or says it is not there.
+(:mod:`~dplab.sharding.averaging`); :mod:`~dplab.sharding.timeline` draws its step on the
+course's timeline from ``torch.profiler``. :mod:`~dplab.sharding.compat` finds FSDP2 in the
+installed torch, or says it is not there.
 """
 
 from dplab.sharding.averaging import TOLERANCE, Averaging, check_averaging
@@ -29,6 +30,7 @@ from dplab.sharding.ranks import (
     sharded_model,
     sharded_step,
 )
+from dplab.sharding.timeline import steps_from_events, traced_sharded_step
 from dplab.sharding.wire import (
     ShardedCommCounter,
     WireRow,
@@ -57,7 +59,9 @@ __all__ = [
     "rank_batch",
     "sharded_model",
     "sharded_step",
+    "steps_from_events",
     "total_wire_bytes",
+    "traced_sharded_step",
     "wire_factor",
     "wire_rows",
 ]

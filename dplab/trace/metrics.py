@@ -3,10 +3,12 @@
 Everything here is interval arithmetic on spans, so a measured step and a simulated step give
 their numbers the same way.
 
-- ``t_comm``: the union of all all-reduce intervals (two collectives that run at once, as gloo's
-  two worker threads do, count once).
-- ``exposed_comm``: all-reduce time during which no backward compute runs on the rank, the time
-  the step pays for communication. It is the union of all-reduces minus the backward spans.
+- ``t_comm``: the union of all collective intervals (two collectives that run at once, as gloo's
+  two worker threads do, count once). DDP's are all-reduces; a sharded step (§9b) adds
+  all-gathers, reduce-scatters and broadcasts (``COMM_KINDS``).
+- ``exposed_comm``: communication time during which no compute runs on the rank, the time the
+  step pays for it. It is the union of collectives minus the backward spans (and the forward
+  ones, under which a sharded step's all-gathers can hide; a DDP step communicates in backward).
 - ``overlap_fraction``: the share of ``t_comm`` hidden under backward.
 - ``predicted_step``: the seed's ``max(T_compute, T_comm)``, the step with perfect overlap. The
   measured step can never beat it (both are parts of one step), so it is a lower bound.
@@ -19,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 Interval = tuple[float, float]
+COMM_KINDS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -109,8 +112,9 @@ def step_metrics(spans: Sequence) -> StepMetrics:
     def total(kind: str) -> float:
         return sum(b - a for a, b in of(kind))
 
-    comm = of("allreduce")
+    comm = [interval for kind in COMM_KINDS for interval in of(kind)]
     exposed = subtract(comm, of("backward"))
+    exposed = subtract(exposed, of("forward"))
     t_comm = length(comm)
     t_exposed = length(exposed)
     t_forward, t_backward, t_optimizer = total("forward"), total("backward"), total("optimizer")
@@ -127,6 +131,6 @@ def step_metrics(spans: Sequence) -> StepMetrics:
         exposed_comm_ms=t_exposed,
         overlap_fraction=(t_comm - t_exposed) / t_comm if t_comm > 0 else 0.0,
         predicted_step_ms=max(t_compute, t_comm),
-        n_allreduce=len(comm),
+        n_allreduce=len(of("allreduce")),
         exposed_ms=attribute(exposed, owners),
     )

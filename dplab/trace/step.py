@@ -13,9 +13,9 @@ from functools import cached_property
 from typing import Any
 
 from dplab.trace.bucket import Bucket
-from dplab.trace.metrics import StepMetrics, step_metrics
+from dplab.trace.metrics import COMM_KINDS, StepMetrics, step_metrics
 
-KINDS = ("forward", "backward", "bucket_ready", "allreduce", "wait", "optimizer")
+KINDS = ("forward", "backward", "bucket_ready", "wait", "optimizer", *COMM_KINDS)
 CLOCKS = ("host", "cuda_event", "simulated")
 FORMAT = "dplab.steptrace/1"
 
@@ -153,8 +153,9 @@ def last_steps(per_rank: list[list[StepTrace]]) -> list[StepTrace]:
 
 
 def lane(kind: str) -> str:
-    """Which lane of a rank a span is drawn in: ``comm`` for bucket spans, else ``compute``."""
-    return "comm" if kind in ("allreduce", "bucket_ready") else "compute"
+    """Which lane of a rank a span is drawn in: ``comm`` for collectives and bucket marks, else
+    ``compute``."""
+    return "comm" if kind in (*COMM_KINDS, "bucket_ready") else "compute"
 
 
 def chrome_trace(steps: list[StepTrace]) -> dict[str, Any]:

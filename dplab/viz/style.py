@@ -5,6 +5,9 @@ COLORS = {
     "forward": "#4C78A8",
     "backward": "#72B7B2",
     "allreduce": "#F58518",
+    "allgather": "#B279A2",  # a sharded step's other collectives (§9b)
+    "reduce_scatter": "#D67195",
+    "broadcast": "#8C6D31",
     "exposed": "#E45756",
     "wait": "#BAB0AC",
     "optimizer": "#54A24B",

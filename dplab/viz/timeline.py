@@ -6,10 +6,12 @@ Measured steps (host clock, CUDA events) and simulated ones draw the same way, b
 - the **compute lane**: forward, backward (one span per micro-batch), the wait at the end of
   backward for outstanding all-reduces, the optimizer step;
 - the **comm lane**: each bucket's all-reduce, labelled ``b0``, ``b1``, …; hover gives the
-  bucket, its bytes, its parameters and its times. A collective can run while another one is
-  still going (gloo runs them on two threads), so overlapping spans go to sub-rows of the lane;
-- the **exposed** part of every all-reduce (no backward compute runs then) in its own colour:
-  this is the time the step pays for communication;
+  bucket, its bytes, its parameters and its times. A sharded step (§9b) also has all-gathers,
+  reduce-scatters and broadcasts, each kind in its own colour and labelled by its unit. A
+  collective can run while another one is still going (gloo runs them on two threads), so
+  overlapping spans go to sub-rows of the lane;
+- the **exposed** part of every collective (no forward or backward compute runs then) in its
+  own colour: this is the time the step pays for communication;
 - **bucket-ready markers** between the lanes: the moment a bucket's last gradient arrived;
 - the **prediction** ``max(T_compute, T_comm)``, a dashed line: the step with perfect overlap.
   A real step can only be slower (it is a lower bound, both terms being parts of the step).
@@ -29,7 +31,7 @@ from plotly.subplots import make_subplots
 
 from dplab._units import MIB
 from dplab.trace import Span, StepTrace
-from dplab.trace.metrics import subtract
+from dplab.trace.metrics import COMM_KINDS, subtract
 from dplab.viz.style import COLORS, layout
 
 ALIGNS = ("rank0", "step")
@@ -37,12 +39,21 @@ COMPUTE_KINDS = ("forward", "backward", "wait", "optimizer")
 KIND_LABELS = {
     "forward": "forward",
     "backward": "backward",
-    "wait": "wait for all-reduces",
+    "wait": "waiting for communication",
     "optimizer": "optimizer",
     "allreduce": "all-reduce (hidden under backward)",
-    "exposed": "all-reduce, exposed",
+    "allgather": "all-gather (hidden under compute)",
+    "reduce_scatter": "reduce-scatter (hidden under compute)",
+    "broadcast": "broadcast (hidden under compute)",
+    "exposed": "communication, exposed",
     "bucket_ready": "bucket ready",
     "predicted": "max(T_compute, T_comm)",
+}
+COLLECTIVE_NAMES = {  # plural, for the summary line
+    "allreduce": "all-reduces",
+    "allgather": "all-gathers",
+    "reduce_scatter": "reduce-scatters",
+    "broadcast": "broadcasts",
 }
 BAR_WIDTH = 0.8
 ROW_PX = 34
@@ -109,8 +120,13 @@ def _first_duplicate(values: list[int]) -> int:
 # -- layout of the lanes -----------------------------------------------------------------------
 
 
+def comm_spans(trace: StepTrace) -> list[Span]:
+    """Every collective of the step (all-reduces, and a sharded step's other kinds), by start."""
+    return sorted((s for s in trace.spans if s.kind in COMM_KINDS), key=lambda s: s.start_ms)
+
+
 def comm_rows(trace: StepTrace) -> list[int]:
-    """Sub-row of each all-reduce (in ``trace.of("allreduce")`` order) so none overlap.
+    """Sub-row of each collective (in ``comm_spans(trace)`` order) so none overlap.
 
     Greedy interval partitioning: each collective takes the first sub-row that is free when it
     starts. With gloo's two worker threads this needs at most two rows; a simulated or NCCL
@@ -118,7 +134,7 @@ def comm_rows(trace: StepTrace) -> list[int]:
     """
     ends: list[float] = []
     rows = []
-    for span in trace.of("allreduce"):
+    for span in comm_spans(trace):
         for row, end in enumerate(ends):
             if end <= span.start_ms + 1e-9:
                 ends[row] = span.end_ms
@@ -153,13 +169,17 @@ def describe_step(trace: StepTrace) -> str:
 def summary_line(panel: Sequence[StepTrace]) -> str:
     """The panel's numbers (rank 0, or the lowest rank drawn)."""
     m = panel[0].metrics
-    n_buckets = len(panel[0].buckets) or len({s.bucket for s in panel[0].of("allreduce")})
     who = f"rank {panel[0].rank}: " if len(panel) > 1 else ""
-    return (
+    head = (
         f"{who}step {m.t_step_ms:,.1f} ms · max(T_compute, T_comm) {m.predicted_step_ms:,.1f} ms · "
         f"exposed comm {m.exposed_comm_ms:,.1f} ms of {m.t_comm_ms:,.1f} · "
-        f"{n_buckets} bucket{'s' if n_buckets != 1 else ''}, {m.n_allreduce} all-reduces"
     )
+    sharded = {k: len(panel[0].of(k)) for k in COMM_KINDS[1:] if panel[0].of(k)}
+    if sharded:  # a sharded step (§9b): its collectives by kind
+        counts = {"allreduce": m.n_allreduce, **sharded}
+        return head + ", ".join(f"{n} {COLLECTIVE_NAMES[k]}" for k, n in counts.items() if n)
+    n_buckets = len(panel[0].buckets) or len({s.bucket for s in panel[0].of("allreduce")})
+    return head + f"{n_buckets} bucket{'s' if n_buckets != 1 else ''}, {m.n_allreduce} all-reduces"
 
 
 # -- drawing -----------------------------------------------------------------------------------
@@ -301,7 +321,7 @@ class _PanelMarks:
     """
 
     bars: dict[str, _Bars] = field(
-        default_factory=lambda: {k: _Bars() for k in (*COMPUTE_KINDS, "allreduce", "exposed")}
+        default_factory=lambda: {k: _Bars() for k in (*COMPUTE_KINDS, *COMM_KINDS, "exposed")}
     )
     ready_x: list[float] = field(default_factory=list)
     ready_y: list[float] = field(default_factory=list)
@@ -329,6 +349,12 @@ def _add_compute_lane(marks: _PanelMarks, trace: StepTrace, offset: float, y: fl
 
 def _allreduce_hover(trace: StepTrace, span: Span, exposed_ms: float, params: Sequence[str]) -> str:
     """What one bucket's all-reduce moved and when: bytes, times, exposed part, parameters."""
+    if span.kind != "allreduce" or span.bucket is None:  # a sharded step's collective
+        return (
+            f"rank {trace.rank} · {span.name}<br>{_bytes_text(span.nbytes)}<br>"
+            f"{span.start_ms:,.2f} → {span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms), "
+            f"exposed {exposed_ms:,.2f} ms"
+        )
     return (
         f"rank {trace.rank} · all-reduce of bucket {span.bucket}<br>"
         f"{_bytes_text(span.nbytes)}<br>"
@@ -345,27 +371,25 @@ def _add_comm_lanes(
     y: float,
     names: Mapping[int | None, list[str]],
 ) -> int:
-    """The rank's comm lane below ``y``: each all-reduce whole, and its exposed part on top.
+    """The rank's comm lane below ``y``: each collective whole, and its exposed part on top.
 
-    The exposed part is the all-reduce minus the backward spans: the time no gradient was
-    being computed, so the step paid for it. Returns how many sub-rows the lane needed.
+    The exposed part is the collective minus the backward and forward spans: the time nothing
+    was being computed, so the step paid for it. Returns how many sub-rows the lane needed.
     """
     rows = comm_rows(trace)
     n_rows = max(rows, default=0) + 1
     for k in range(n_rows):
         marks.tickvals.append(y + 1 + k)
         marks.ticktext.append(f"rank {trace.rank} comm" + (f" ·{k + 1}" if n_rows > 1 else ""))
-    backward = [(s.start_ms, s.end_ms) for s in trace.of("backward")]
-    for span, row in zip(trace.of("allreduce"), rows, strict=True):
+    compute = [(s.start_ms, s.end_ms) for s in trace.of("backward") + trace.of("forward")]
+    for span, row in zip(comm_spans(trace), rows, strict=True):
         row_y = y + 1 + row
-        exposed = subtract([(span.start_ms, span.end_ms)], backward)
+        exposed = subtract([(span.start_ms, span.end_ms)], compute)
         hover = _allreduce_hover(
             trace, span, sum(b - a for a, b in exposed), names.get(span.bucket, [])
         )
         label = f"b{span.bucket}" if span.bucket is not None else span.name
-        marks.bars["allreduce"].add(
-            offset + span.start_ms, offset + span.end_ms, row_y, label, hover
-        )
+        marks.bars[span.kind].add(offset + span.start_ms, offset + span.end_ms, row_y, label, hover)
         for a, b in exposed:
             marks.bars["exposed"].add(
                 offset + a,

@@ -69,7 +69,8 @@ def test_the_simulator_command_does_not_import_torch():
         "import contextlib, io\nfrom dplab.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    argv = ['simulate', '--preset', 'aws-p5', '--nodes', '16', '--model', 'gpt-7m']\n"
-        "    assert main(argv) == 0"
+        "    assert main(argv) == 0\n"
+        "    assert main([*argv, '--sharding', 'zero3']) == 0"
     )
     assert not _imports_torch(run)
     # the control: a verb that trains does import it, so the probe can tell

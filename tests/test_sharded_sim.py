@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from dplab.cli import main
 from dplab.collectives.cost import ring_time
-from dplab.sim import Fabric, Link
+from dplab.sim import BackwardProfile, Fabric, Link
+from dplab.sim.profile import ParamTiming
 from dplab.sim.sharded import (
     UnitProfile,
     links_from_ranks,
@@ -187,3 +189,52 @@ def test_unit_profile_and_timed_step_on_real_ranks():
     assert simulate_sharded(p, "zero3", ar, 2, backend="gloo").step_ms > p.compute_ms
     with pytest.raises(ValueError, match="'zero9'"):
         timed_step("zero9")
+
+
+def test_a_ddp_profile_becomes_units_by_block_from_its_ready_times():
+    # backward: head (ln_f) ready at 5 ms, block 1 at 25, block 0 at 45, embeddings at 50
+    params = (
+        ParamTiming("tok.weight", 100, 400, "float32", 50.0),
+        ParamTiming("blocks.0.fc.weight", 200, 800, "float32", 45.0),
+        ParamTiming("blocks.0.fc.bias", 10, 40, "float32", 44.0),
+        ParamTiming("blocks.1.fc.weight", 200, 800, "float32", 25.0),
+        ParamTiming("ln_f.weight", 10, 40, "float32", 5.0),
+    )
+    ddp = BackwardProfile("toy", params, forward_ms=30.0, backward_ms=60.0, optimizer_ms=3.0)
+    units = UnitProfile.from_backward(ddp)
+    assert (units.root_bytes, units.block_bytes) == (440, (840, 800))
+    # the embeddings take what is left of backward after block 0's last gradient
+    assert units.root_backward_ms == (15.0, 5.0)
+    assert units.block_backward_ms == (20.0, 20.0)
+    # forward is half of backward here, split in the same proportions
+    assert units.root_forward_ms == (7.5, 2.5) and units.block_forward_ms == (10.0, 10.0)
+    assert units.compute_ms == pytest.approx(ddp.forward_ms + ddp.backward_ms)
+    assert units.optimizer_ms == {"ddp": 3.0}
+
+
+def test_a_profile_without_blocks_is_refused():
+    params = (ParamTiming("fc.weight", 10, 40, "float32", 1.0),)
+    flat = BackwardProfile("flat", params, forward_ms=1.0, backward_ms=2.0, optimizer_ms=0.0)
+    with pytest.raises(ValueError, match="no parameter is in a block"):
+        UnitProfile.from_backward(flat)
+
+
+def test_the_simulate_verb_predicts_a_sharded_step_beside_ddp(capsys):
+    argv = ["simulate", "--model", "gpt-7m", "--link", "gloo-loopback", "--world-size", "4"]
+    assert main([*argv, "--sharding", "zero3"]) == 0
+    out = capsys.readouterr().out
+    assert "8 blocks as FSDP units" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert set(rows) == {"ddp", "zero3"}
+    # the printed steps are the simulator's, on the units the profile gives
+    from dplab.sim.link import ASSETS, get_link
+
+    units = UnitProfile.from_backward(BackwardProfile.load(ASSETS / "profile_gpt-7m.json"))
+    want = simulate_sharded(units, "zero3", get_link("gloo-loopback"), 4).step_ms
+    assert f"step {want:10,.2f} ms" in rows["zero3"]
+
+
+def test_sharding_with_contention_or_json_is_refused(capsys):
+    argv = ["simulate", "--model", "gpt-7m", "--sharding", "zero3", "--contention"]
+    assert main(argv) == 2
+    assert "--sharding predicts spans of its own" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 python -m dplab simulate --preset aws-p5 --nodes 16 --model gpt-7m
 python -m dplab simulate --gpu h100 --gpus-per-node 8 --nodes 4 --nic-gbps 400 --model gpt-7m
 python -m dplab simulate --profile my_profile.json --link gloo-loopback --world-size 4
+python -m dplab simulate --preset dgx-h100 --nodes 4 --model gpt-7m --sharding zero3
 
 ``--json`` is checked before anything is computed (it may not be the ``--profile`` it reads)
 and written atomically: a temporary file beside it, then a rename.
@@ -30,6 +31,8 @@ from dplab.sim import (
 )
 from dplab.sim.fabric import NETWORKS
 from dplab.sim.link import ASSETS
+from dplab.sim.sharded import METHODS as SHARDED_METHODS
+from dplab.sim.sharded import UnitProfile, simulate_sharded
 from dplab.trace.files import write_atomic
 
 __all__ = ["add_cli", "cmd_simulate", "fail", "format_metrics"]
@@ -124,6 +127,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             }
         else:
             net = {"fabric": fabric}
+        if args.sharding is not None:
+            if args.contention or args.json is not None:
+                raise ValueError("--sharding predicts spans of its own: no --contention, no --json")
+            return _sharded(args, profile, fabric, net)
         contention = None
         if args.contention:
             if profile.contention is None:
@@ -180,6 +187,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sharded(
+    args: argparse.Namespace, profile: BackwardProfile, fabric: Fabric | None, net: dict
+) -> int:
+    """The sharded step and DDP's, simulated side by side on the same units and network."""
+    units = UnitProfile.from_backward(profile)
+    where = fabric if fabric is not None else net["link"]
+    n = fabric.world_size if fabric is not None else net["world_size"]
+    runs = {m: simulate_sharded(units, m, where, n, bucket_cap_mb=args.bucket_cap_mb)
+            for m in dict.fromkeys(("ddp", args.sharding))}  # fmt: skip
+    print(
+        f"simulated {profile.model} on {where.describe()}\n{n:,} ranks; "
+        f"{len(units.block_bytes)} blocks as FSDP units, {units.param_bytes / MIB:,.1f} MiB of "
+        "weights; backward per unit from the profile, forward split in the same proportions"
+    )
+    for method, pred in runs.items():
+        print(
+            f"  {method:<6} step {pred.step_ms:10,.2f} ms   compute {pred.compute_ms:10,.2f} ms   "
+            f"collectives {pred.comm_ms:10,.2f} ms   exposed {pred.exposed_comm_ms:10,.2f} ms"
+        )
+    extra = runs[args.sharding].step_ms / runs["ddp"].step_ms - 1
+    print(f"{args.sharding} against DDP: {extra:+.1%} step time")
+    return 0
+
+
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="predict a DDP step from a profile and a link or fabric")
     p.add_argument("--profile", help="a profile JSON (python -m dplab profile)")
@@ -220,6 +251,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--contention",
         action="store_true",
         help="apply the profile's measured compute/comm contention (a CPU box's shared cores)",
+    )
+    p.add_argument(
+        "--sharding",
+        choices=list(SHARDED_METHODS),
+        help="predict a sharded step instead (§9b): one FSDP unit per block, its all-gathers and "
+        "reduce-scatters prefetched as FSDP2 does on a GPU; DDP's step beside it",
     )
     p.add_argument("--json", help="also save the predicted StepTrace here")
     p.set_defaults(func=cmd_simulate)

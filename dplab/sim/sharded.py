@@ -31,6 +31,7 @@ the model's prediction, no measurement behind it).
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ from dplab._checks import check_choice, check_nonneg, check_positive, check_worl
 from dplab._units import MIB
 from dplab.collectives.cost import fit_alpha_beta
 from dplab.sim.link import Link
+from dplab.sim.profile import BackwardProfile
+
+# A parameter's block, from its name: "blocks.3.fc.weight", "h.3.attn.c_attn.weight", ...
+BLOCK_NAME = re.compile(r"(?:^|\.)(?:blocks|h|layers)\.(\d+)\.")
 
 METHODS = ("ddp", "zero1", "zero2", "zero3")
 BACKENDS = ("nccl", "gloo")
@@ -144,6 +149,52 @@ class UnitProfile:
             block_backward_ms=(b,) * n_blocks,
             optimizer_ms={"ddp": check_nonneg("optimizer_ms", optimizer_ms)},
             meta={"source": "described (UnitProfile.uniform), not measured"},
+        )
+
+    @classmethod
+    def from_backward(cls, profile: BackwardProfile) -> UnitProfile:
+        """A unit profile (one FSDP unit per block, the rest the root) from a DDP profile.
+
+        Backward per unit is measured: the time from the previous unit's last gradient to this
+        unit's last one (the head's part of the root first, the blocks in reverse, then the
+        embeddings, which take what is left of backward). Forward is not measured per unit by a
+        DDP profile: its total is split in the same proportions as backward. Blocks are found by
+        name (``blocks.3.``, ``h.3.``, ``layers.3.``); a model without them is refused.
+        """
+        blocks: dict[int, list[Any]] = {}
+        root = []
+        for p in profile.params:
+            m = BLOCK_NAME.search(p.name)
+            (blocks.setdefault(int(m.group(1)), []) if m else root).append(p)
+        if not blocks:
+            raise ValueError(
+                f"{profile.model}: no parameter is in a block (blocks.N., h.N. or layers.N.): "
+                "there is nothing to cut into FSDP units"
+            )
+        order = sorted(blocks)
+        first_block = min(p.ready_ms for ps in blocks.values() for p in ps)
+        head = [p for p in root if p.ready_ms <= first_block]
+        embeddings = [p for p in root if p.ready_ms > first_block]
+        cursor = max((p.ready_ms for p in head), default=0.0)
+        head_ms, block_ms = cursor, {}
+        for i in reversed(order):
+            done = max(cursor, max(p.ready_ms for p in blocks[i]))
+            block_ms[i], cursor = done - cursor, done
+        embed_ms = max(profile.backward_ms - cursor, 0.0)
+        scale = profile.forward_ms / profile.backward_ms if profile.backward_ms > 0 else 0.0
+        return cls(
+            root_bytes=sum(p.nbytes for p in root),
+            block_bytes=tuple(sum(p.nbytes for p in blocks[i]) for i in order),
+            root_forward_ms=(embed_ms * scale, head_ms * scale),
+            block_forward_ms=tuple(block_ms[i] * scale for i in order),
+            root_backward_ms=(embed_ms, head_ms),
+            block_backward_ms=tuple(block_ms[i] for i in order),
+            optimizer_ms={"ddp": profile.optimizer_ms},
+            tensor_bytes=tuple(p.nbytes for p in profile.params),
+            meta={
+                "source": f"{profile.model}'s DDP profile; forward split as backward is",
+                "embedding_params": [p.name for p in embeddings],
+            },
         )
 
 

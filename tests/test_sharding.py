@@ -17,6 +17,7 @@ from dplab.sharding import (
     check_method,
     expected_state,
     fsdp2_available,
+    fully_shard_api,
     global_batch_step,
     total_wire_bytes,
     wire_factor,
@@ -80,6 +81,36 @@ def test_missing_fsdp2_is_said_in_words():
     text = _missing("FSDP2 (fully_shard)", ImportError("no module"))
     assert torch.__version__ in text and "2.4" in text and "ZeRO-1" in text
     assert issubclass(ShardingUnavailable, RuntimeError)
+
+
+def _torch_without_new_fsdp(monkeypatch, old_fully_shard=None):
+    """This torch seen as 2.4/2.5: ``torch.distributed.fsdp`` without ``fully_shard``, and the
+    old home ``torch.distributed._composable.fsdp`` holding ``old_fully_shard`` (or missing)."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", types.ModuleType("fsdp"))
+    old = types.ModuleType("fsdp")
+    if old_fully_shard is not None:
+        old.fully_shard = old_fully_shard
+    monkeypatch.setitem(sys.modules, "torch.distributed._composable.fsdp", old)
+
+
+def test_before_torch_2_6_fully_shard_is_found_in_its_old_home(monkeypatch):
+    def old_fully_shard(module, **kwargs):
+        return module
+
+    _torch_without_new_fsdp(monkeypatch, old_fully_shard)
+    fully_shard, _ = fully_shard_api()
+    assert fully_shard is old_fully_shard
+    assert fsdp2_available()
+
+
+def test_a_torch_with_fsdp2_nowhere_says_so_and_what_still_runs(monkeypatch):
+    _torch_without_new_fsdp(monkeypatch)
+    with pytest.raises(ShardingUnavailable, match=r"FSDP2 \(fully_shard\) is not in the installed"):
+        fully_shard_api()
+    assert not fsdp2_available()
 
 
 @pytest.fixture(scope="module")

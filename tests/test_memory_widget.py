@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dplab.memory import GB, LLM_SHAPES, fits
+from dplab.memory.state import STAGE_LABELS
 from dplab.viz.memory import fit_figure, memory_bars, memory_vs_world_size
 from dplab.widgets.memory import CUSTOM, MemoryWall
 
@@ -102,3 +103,29 @@ def test_standalone_figures():
     assert list(z3.y) == [112.0, 56.0, 28.0]
     big = fit_figure(fits("llama2-7b", "h100-80gb", world_size=3000))
     assert 3000 in next(t for t in big.data if t.name == "plain DP").x
+
+
+def test_measured_points_of_the_chosen_recipe_sit_on_its_curves():
+    # bytes per parameter as §9 and §9b measure them: plain DP 16 in mixed AdamW; ZeRO-1 and
+    # ZeRO-3 in fp32 AdamW (the worst rank of each world size)
+    measured = {
+        ("mixed", "adam"): {0: {1: 16.0, 2: 16.0, 4: 16.0}},
+        ("fp32", "adam"): {1: {1: 16.0, 2: 12.0, 4: 10.0}, 3: {2: 8.0, 4: 4.0}},
+    }
+    wall = MemoryWall(measured=measured)
+
+    def crosses():
+        return {t.name: t for t in wall.figure.data if t.name.startswith("measured per param")}
+
+    (dp,) = crosses().values()  # the default recipe is mixed AdamW: plain DP's points only
+    assert list(dp.x) == [1, 2, 4]
+    act = wall.fit.activations
+    assert list(dp.y) == pytest.approx([(16 * wall.fit.n_params + act) / GB] * 3)
+    # on the curve: plain DP's per-rank bytes (state + activations) at every N
+    curve = next(t for t in wall.figure.data if t.name == STAGE_LABELS[0])
+    at = dict(zip(curve.x, curve.y, strict=True))
+    assert [at[n] for n in dp.x] == pytest.approx(list(dp.y))
+    wall.precision.value = "fp32"
+    assert sorted(crosses()) == [f"measured per parameter, {STAGE_LABELS[s]}" for s in (1, 3)]
+    wall.optimizer.value = "sgd"  # no measurement of this recipe: nothing drawn
+    assert not crosses()

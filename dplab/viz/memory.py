@@ -258,11 +258,20 @@ def _world_sizes_around(n: int) -> list[int]:
     return sorted(set(sizes) | {n})
 
 
-def fit_figure(fit: Fit, *, height: int = 480) -> go.Figure:
+MeasuredPerParam = Mapping[tuple[str, str], Mapping[int, Mapping[int, float]]]
+
+
+def fit_figure(
+    fit: Fit, *, measured: MeasuredPerParam | None = None, height: int = 480
+) -> go.Figure:
     """One rank of ``fit``'s job: the four stages' bars at its world size, and memory against N.
 
     The chosen stage's bar is labelled with an arrow; the chosen (N, stage) is ringed on the
-    right-hand panel.
+    right-hand panel. ``measured`` maps a recipe ``(precision, optimizer)`` to stage → N →
+    model-state bytes per parameter measured on real ranks (§9, §9b). The accounting is linear
+    in the parameter count, so a measurement on a small GPT, times this model's count, is where
+    this model's state must sit: the points of the fit's recipe are drawn as crosses on the
+    curves (plus the same activations the curves carry).
     """
     st = fit.state
     columns = []
@@ -310,6 +319,22 @@ def fit_figure(fit: Fit, *, height: int = 480) -> go.Figure:
         row=1,
         col=2,
     )
+    for stage, points in (measured or {}).get((st.precision, st.optimizer), {}).items():
+        label = f"measured per parameter, {STAGE_LABELS[stage]}"
+        fig.add_trace(
+            go.Scatter(
+                x=list(points),
+                y=[(bpp * fit.n_params + fit.activations) / GB for bpp in points.values()],
+                mode="markers",
+                name=label,
+                marker={"symbol": "x", "size": 12, "color": STAGE_COLORS[stage]},
+                customdata=list(points.values()),
+                hovertemplate=f"{label}, N=%{{x}}: %{{customdata:.2f}} B/param × "
+                f"{fmt_params(fit.n_params)} + activations = %{{y:.3s}} GB<extra></extra>",
+            ),
+            row=1,
+            col=2,
+        )
     cap_label = f"{fit.gpu.name}: {fit.gpu.memory_gib} GiB = {fmt_gb(fit.gpu.capacity_bytes)}"
     _capacity_line(fig, fit.gpu.capacity_bytes, cap_label, row=1, col=1)
     fig.add_trace(_capacity_trace(sizes, fit.gpu.capacity_bytes, cap_label), row=1, col=2)

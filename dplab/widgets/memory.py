@@ -21,7 +21,7 @@ from dplab.memory.fit import Fit, fits, fmt_gb, fmt_params
 from dplab.memory.presets import GPUS, LLM_SHAPES
 from dplab.memory.recipes import OPTIMIZER_LABELS, PRECISION_LABELS
 from dplab.memory.state import STAGE_LABELS
-from dplab.viz.memory import fit_figure
+from dplab.viz.memory import MeasuredPerParam, fit_figure
 from dplab.widgets._common import classed
 
 CUSTOM = "custom"
@@ -50,7 +50,12 @@ def check_n_params(value: Any) -> float:
 
 class MemoryWall(w.VBox):
     """The memory-wall explorer. ``wall.fit`` is the last good :class:`~dplab.memory.Fit`,
-    ``wall.verdict.value`` its sentence, ``wall.message.value`` the refusal of a bad value."""
+    ``wall.verdict.value`` its sentence, ``wall.message.value`` the refusal of a bad value.
+
+    ``measured``: model-state bytes per parameter measured on real ranks, by recipe
+    ``(precision, optimizer)``, ZeRO stage and world size (see :func:`~dplab.viz.fit_figure`);
+    the points of the chosen recipe are drawn as crosses beside the curves.
+    """
 
     def __init__(
         self,
@@ -65,8 +70,10 @@ class MemoryWall(w.VBox):
         world_size: int = 8,
         zero_stage: int = 0,
         recompute: str = "none",
+        measured: MeasuredPerParam | None = None,
     ):
         n_params = check_n_params(n_params)
+        self.measured = measured
         self._model_controls(model, n_params, precision, optimizer, gpu)
         # IntText, not BoundedIntText: a bad number must reach the check and be explained.
         self.micro_batch = w.IntText(micro_batch, description="micro-batch", style=_STYLE)
@@ -195,7 +202,7 @@ class MemoryWall(w.VBox):
             f"<div style='color:#555;font-size:13px'>per rank: {fmt_gb(fit.total)} of "
             f"{fmt_gb(fit.gpu.capacity_bytes)}</div></div>"
         )
-        new = fit_figure(fit)
+        new = fit_figure(fit, measured=self.measured)
         with self.figure.batch_update():
             self.figure.data = ()
         self.figure.add_traces(list(new.data))

@@ -189,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.report:
         saved = json.loads(args.report.read_text())
-        print(report(load_saved(args.report, saved["load"]), saved["load"]))
+        tallies = load_saved(args.report, saved["load"])
+        print(report(tallies, saved["load"]))
+        for name, t in tallies.items():
+            if not (NOTEBOOKS / name).exists() or notebook_sha(NOTEBOOKS / name) != t.sha:
+                print(f"{name}: its runs are of an older version of the notebook (stale)")
         return 0
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")

@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 PACKAGE = Path(dplab.__file__).resolve().parent  # the package under test (a copy is mutated)
 SECONDS_PER_JOB = 120  # the batch's timeout grows with it: a few seconds of training per job
+CELL_TIMEOUT_S = 300  # a hung cell fails its own job, and the batch goes on
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Job:
 
 @dataclass
 class Outcome:
-    """What nbval said of one job: the ids of its failing cells and their failure texts."""
+    """What nbval said of one job: its code cells' ids, how many nbval reported on, the ids of
+    the failing ones and their failure texts."""
 
     cell_ids: list[str]
     ran: int = 0  # code cells nbval reported on (the path cell not counted)
@@ -124,7 +126,8 @@ def run_jobs(root: Path, jobs: list[Job]) -> dict[str, Outcome]:
         paths.append(path.relative_to(root))
     junit = root / "junit.xml"
     plugins_off = ["-p", "no:cacheprovider", "-p", "no:hypothesispytest"]  # 1 s to import
-    cmd = [sys.executable, "-m", "pytest", "-q", *plugins_off, "--nbval-lax", f"--junitxml={junit}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", *plugins_off, "--nbval-lax",
+           f"--nbval-cell-timeout={CELL_TIMEOUT_S}", f"--junitxml={junit}"]  # fmt: skip
     done = subprocess.run(
         [*cmd, *map(str, paths)],
         cwd=root,

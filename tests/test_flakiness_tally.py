@@ -42,7 +42,9 @@ def test_appended_runs_add_up_and_the_report_reads_them(bench, tmp_path, capsys)
     )
     capsys.readouterr()
     assert bench.main(["--report", str(saved)]) == 0
-    assert "| 03_dp_mechanics.ipynb | 3 | 1 | Cell 4 (1) | 20 | 30 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 03_dp_mechanics.ipynb | 3 | 1 | Cell 4 (1) | 20 | 30 |" in out
+    assert "stale" not in out
 
 
 def test_a_file_of_quiet_runs_refuses_loaded_ones_before_running(bench, tmp_path, monkeypatch):
@@ -58,8 +60,12 @@ def test_a_changed_notebook_starts_over(bench, tmp_path, monkeypatch, capsys):
     saved = tmp_path / "quiet.json"
     args = ["--runs", "1", "--only", "03_dp_mechanics", "--append", str(saved)]
     bench.main(args)
+    real_sha = bench.notebook_sha
     monkeypatch.setattr(bench, "notebook_sha", lambda nb: "another version")
     bench.main(args)
     assert "changed since its 1 saved runs: they are dropped" in capsys.readouterr().out
     t = json.loads(saved.read_text())["notebooks"]["03_dp_mechanics.ipynb"]
     assert (t["runs"], t["sha"]) == (1, "another version")
+    monkeypatch.setattr(bench, "notebook_sha", real_sha)  # the notebook on disk is not that
+    bench.main(["--report", str(saved)])
+    assert "03_dp_mechanics.ipynb: its runs are of an older version" in capsys.readouterr().out

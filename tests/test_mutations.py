@@ -22,6 +22,7 @@ import pytest
 
 from tests import mutants_failures, mutants_lessons, mutants_sharding
 from tests.mutation_harness import (
+    SECONDS_PER_JOB,
     Job,
     Outcome,
     assert_anchors_once,
@@ -30,9 +31,11 @@ from tests.mutation_harness import (
     run_jobs,
 )
 
-pytestmark = pytest.mark.timeout(1800)  # the batch runs in the first test that needs it
 GROUPS = [mutants_lessons, mutants_failures, mutants_sharding]
 MUTANTS = [(group, m) for group in GROUPS for m in group.MUTATIONS]
+# the batch runs in the first test that needs it (every job, whatever -k selects), bounded by
+# SECONDS_PER_JOB each; a hung cell fails after CELL_TIMEOUT_S and the batch goes on
+pytestmark = pytest.mark.timeout(SECONDS_PER_JOB * (len(GROUPS) + len(MUTANTS)) + 60)
 
 
 @pytest.fixture(scope="module")

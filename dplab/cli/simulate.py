@@ -194,12 +194,16 @@ def _sharded(
     units = UnitProfile.from_backward(profile)
     where = fabric if fabric is not None else net["link"]
     n = fabric.world_size if fabric is not None else net["world_size"]
-    runs = {m: simulate_sharded(units, m, where, n, bucket_cap_mb=args.bucket_cap_mb)
+    # gloo has no reduce-scatter of its own: on a gloo link it costs a whole all-reduce
+    backend = "gloo" if fabric is None and net["link"].name.startswith("gloo") else "nccl"
+    runs = {m: simulate_sharded(units, m, where, n, backend=backend,
+                                bucket_cap_mb=args.bucket_cap_mb)
             for m in dict.fromkeys(("ddp", args.sharding))}  # fmt: skip
     print(
         f"simulated {profile.model} on {where.describe()}\n{n:,} ranks; "
         f"{len(units.block_bytes)} blocks as FSDP units, {units.param_bytes / MIB:,.1f} MiB of "
-        "weights; backward per unit from the profile, forward split in the same proportions"
+        "weights; backward per unit from the profile, forward split in the same proportions; "
+        f"{backend}'s collectives"
     )
     for method, pred in runs.items():
         print(

@@ -14,8 +14,9 @@ the same :func:`~dplab.trace.metrics.step_metrics` as DDP's:
   as an all-reduce (``gloo:all_reduce``), so the backend's name alone would call it one. The
   launches and the worker ranges of one backend op are matched in order. A worker's range can
   end after the training thread has its result (on a busy machine the worker is descheduled
-  before it closes the range); such a tail overlaps the compute that follows, so it counts as
-  hidden, and the time the rank paid shows as the wait before it;
+  before it closes the range); such a tail counts as hidden where forward or backward compute
+  follows it and as exposed under the optimizer, and the time the rank paid shows as the wait
+  before it;
 - **compute**: the training thread's ``aten::`` ops inside each phase, merged where less than
   ``GAP_MS`` apart (the interpreter between two ops); FSDP2's own copies into and out of the
   all-gather buffers (``fsdp::`` ops) are compute too. On gloo FSDP2 blocks the training thread

@@ -11,12 +11,14 @@ simulator knows, and it is enough to lay out each method:
 * **ZeRO-1** (torch's ``ZeroRedundancyOptimizer``): DDP's step, the optimizer on this rank's
   share of the state, then every parameter broadcast from the rank that owns it.
 * **ZeRO-3 / FSDP** (``fully_shard`` per block): before each unit's forward an all-gather of its
-  weights; in backward the blocks are gathered again (forward freed them; FSDP2 keeps the root's
-  weights, which backward needs first), and each unit's gradient is reduce-scattered when its
-  backward ends. With ``prefetch=True`` the next unit's all-gather is issued before this unit
-  computes, so it runs beside the compute (FSDP2's backward prefetch, and what a GPU's separate
-  stream gives forward); with ``prefetch=False`` every collective is waited for where it is
-  issued. **ZeRO-2** (``reshard_after_forward=False``) is ZeRO-3 without backward's gathers.
+  weights; in backward every unit is gathered again (forward freed them: the root too, as torch
+  2.13's FSDP2 does when ``reshard_after_forward=True`` is passed for it, as §9b does; 09b's
+  counter and timeline count the root's second gather), and each unit's gradient is
+  reduce-scattered when its backward ends. With ``prefetch=True`` the next unit's all-gather is
+  issued before this unit computes, so it runs beside the compute (FSDP2's backward prefetch,
+  and what a GPU's separate stream gives forward); with ``prefetch=False`` every collective is
+  waited for where it is issued. **ZeRO-2** (``reshard_after_forward=False``) is ZeRO-3
+  without backward's gathers.
 
 Prices, from a :class:`~dplab.sim.link.Link` or :class:`~dplab.sim.fabric.Fabric` (anything with
 ``allreduce_s(nbytes, world_size)``): an all-gather or a reduce-scatter of S bytes on a ring is
@@ -387,9 +389,15 @@ def _fsdp_backward(prog: _Program, p: UnitProfile, price: dict[str, Any], regath
     def needs(i: int) -> list[str]:
         return [f"all_gather block{i} (backward)"] if regather else []
 
+    if regather:  # the root was resharded too: backward's first unit needs it back
+        prog.issue("all_gather root (backward)", price["all_gather"](p.root_bytes))
     if prog.prefetch:
         gather(blocks[0])
-    prog.compute("backward root-head", p.root_backward_ms[1])
+    prog.compute(
+        "backward root-head",
+        p.root_backward_ms[1],
+        ["all_gather root (backward)"] if regather else [],
+    )
     for k, i in enumerate(blocks):
         if prog.prefetch and k + 1 < n:
             gather(blocks[k + 1])

@@ -6,10 +6,13 @@ their numbers the same way.
 - ``t_comm``: the union of all collective intervals (two collectives that run at once, as gloo's
   two worker threads do, count once). DDP's are all-reduces; a sharded step (§9b) adds
   all-gathers, reduce-scatters and broadcasts (``COMM_KINDS``).
-- ``exposed_comm``: communication time during which no compute runs on the rank, the time the
-  step pays for it. It is the union of collectives minus the backward spans (and the forward
-  ones, under which a sharded step's all-gathers can hide; a DDP step communicates in backward).
-- ``overlap_fraction``: the share of ``t_comm`` hidden under backward.
+- ``exposed_comm``: communication time during which no forward or backward compute runs on the
+  rank, the time the step pays for it. It is the union of collectives minus the backward spans
+  (and the forward ones, under which a sharded step's all-gathers can hide; a DDP step
+  communicates in backward). Time under the optimizer counts as exposed.
+- ``exposed_ms``: that exposed time split among DDP's buckets (their all-reduces); a sharded
+  step's other collectives have no bucket and are not in it.
+- ``overlap_fraction``: the share of ``t_comm`` hidden under forward or backward.
 - ``predicted_step``: the seed's ``max(T_compute, T_comm)``, the step with perfect overlap. The
   measured step can never beat it (both are parts of one step), so it is a lower bound.
 """
@@ -63,8 +66,8 @@ def attribute(
 ) -> dict[int, float]:
     """Split exposed time among buckets: each instant goes to the lowest bucket active then.
 
-    The per-bucket numbers then add up to the total exposed time even when collectives ran at
-    the same time.
+    The per-bucket numbers then add up to the exposed time of the buckets' all-reduces even
+    when they ran at the same time (all of a DDP step's exposed time).
     """
     share: dict[int, float] = {index: 0.0 for index, _ in owners}
     points = sorted(
@@ -119,7 +122,11 @@ def step_metrics(spans: Sequence) -> StepMetrics:
     t_exposed = length(exposed)
     t_forward, t_backward, t_optimizer = total("forward"), total("backward"), total("optimizer")
     t_compute = t_forward + t_backward + t_optimizer
-    owners = [(s.bucket, (s.start_ms, s.end_ms)) for s in spans if s.kind == "allreduce"]
+    owners = [
+        (s.bucket, (s.start_ms, s.end_ms))
+        for s in spans
+        if s.kind == "allreduce" and s.bucket is not None
+    ]
     return StepMetrics(
         t_step_ms=max((s.end_ms for s in spans), default=0.0)
         - min((s.start_ms for s in spans), default=0.0),

@@ -39,16 +39,18 @@ COMPUTE_KINDS = ("forward", "backward", "wait", "optimizer")
 KIND_LABELS = {
     "forward": "forward",
     "backward": "backward",
-    "wait": "waiting for communication",
+    "wait": "wait for all-reduces",
     "optimizer": "optimizer",
     "allreduce": "all-reduce (hidden under backward)",
     "allgather": "all-gather (hidden under compute)",
     "reduce_scatter": "reduce-scatter (hidden under compute)",
     "broadcast": "broadcast (hidden under compute)",
-    "exposed": "communication, exposed",
+    "exposed": "all-reduce, exposed",
     "bucket_ready": "bucket ready",
     "predicted": "max(T_compute, T_comm)",
 }
+# a figure holding a sharded step (§9b) waits for, and exposes, more than all-reduces
+SHARDED_LABELS = {"wait": "waiting for communication", "exposed": "communication, exposed"}
 COLLECTIVE_NAMES = {  # plural, for the summary line
     "allreduce": "all-reduces",
     "allgather": "all-gathers",
@@ -222,8 +224,18 @@ def _bytes_text(nbytes: int | None) -> str:
     return f"{nbytes:,} B"
 
 
+def _labels(panels: Sequence[Sequence[StepTrace]]) -> dict[str, str]:
+    """The legend's names: DDP's, or the general ones when any step has another collective."""
+    sharded = any(s.kind in COMM_KINDS[1:] for p in panels for t in p for s in t.spans)
+    return {**KIND_LABELS, **SHARDED_LABELS} if sharded else KIND_LABELS
+
+
 def _add_bars(
-    fig: go.Figure, bars: dict[str, _Bars], where: dict[str, int], legend_seen: set[str]
+    fig: go.Figure,
+    bars: dict[str, _Bars],
+    where: dict[str, int],
+    legend_seen: set[str],
+    labels: Mapping[str, str],
 ) -> None:
     """One horizontal bar trace per kind (compute kinds, all-reduce, exposed)."""
     colors = {**COLORS}
@@ -244,7 +256,7 @@ def _add_bars(
                 hovertext=group.hover,
                 hoverinfo="text",
                 marker={"color": colors[kind], "line": {"width": 0.5, "color": "white"}},
-                name=KIND_LABELS[kind],
+                name=labels[kind],
                 legendgroup=kind,
                 showlegend=kind not in legend_seen and bool(group.x),
             ),
@@ -450,6 +462,7 @@ def _draw_panel(
     where: dict[str, int],
     legend_seen: set[str],
     show_predicted: bool,
+    labels: Mapping[str, str],
 ) -> tuple[list[float], list[str]]:
     """Add one panel's traces to ``fig``; return its y tick positions and labels.
 
@@ -470,7 +483,7 @@ def _draw_panel(
         # the tick positions of existing figures by one ulp.
         y = y + n_rows + 1.6
 
-    _add_bars(fig, marks.bars, where, legend_seen)
+    _add_bars(fig, marks.bars, where, legend_seen, labels)
     _add_ready_marks(fig, (marks.ready_x, marks.ready_y, marks.ready_hover), where, legend_seen)
     if show_predicted:
         _add_predicted(fig, marks.predicted, where, legend_seen)
@@ -561,6 +574,7 @@ def timeline_figure(
     )
     n = len(panels)
     legend_seen: set[str] = set()
+    labels = _labels(panels)
     for panel, where in zip(panels, cells, strict=True):
         tickvals, ticktext = _draw_panel(
             fig,
@@ -569,6 +583,7 @@ def timeline_figure(
             where=where,
             legend_seen=legend_seen,
             show_predicted=show_predicted,
+            labels=labels,
         )
         fig.update_yaxes(
             tickvals=tickvals,

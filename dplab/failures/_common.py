@@ -38,6 +38,10 @@ def check_wait(name: str, seconds: Any) -> float:
 def short_group(group_timeout_s: float, *, debug: str = "OFF") -> Iterator[Any]:
     """A fresh gloo group of every rank whose collectives raise after ``group_timeout_s``.
 
+    A DDP built on the group must be gone (``del model``) before the block ends: one torn down
+    after its group was destroyed can hang its rank (3 runs in 100 of §8e's two-forwards
+    experiment did, on this machine; 0 in 300 once the DDP went first).
+
     ``debug`` is torch's ``TORCH_DISTRIBUTED_DEBUG`` level (OFF, INFO, DETAIL), set for the
     block: torch reads it when a group is made (DETAIL wraps the group in a checker of every
     collective) and when DDP is built (INFO names unused parameters). Setting it here is what the

@@ -52,4 +52,5 @@ def two_forwards(*, broadcast_buffers: bool, group_timeout_s: float = 5.0) -> Tw
         except RuntimeError as e:
             error = str(e)
         means = every_rank(seen[1], group)
+        del model  # a DDP must not outlive its group (see short_group)
     return TwoForwards(broadcast_buffers, error, all(torch.equal(means[0], m) for m in means))

@@ -97,6 +97,7 @@ def compiled_ddp(
                 for node in pieces:
                     node.register_hook(lambda *_: pieces_done.__setitem__(0, pieces_done[0] + 1))
                 out.backward()
+            del model, out  # a DDP must not outlive its group (see short_group)
     finally:
         torch._dynamo.config.optimize_ddp = before
         torch._dynamo.reset()

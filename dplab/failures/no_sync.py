@@ -96,4 +96,5 @@ def no_sync_run(
             opt.zero_grad()
         buckets = len(model.reducer._get_zeros_like_grad_buckets())
         digests = tuple(every_rank(replica_digest(model.module), group))
+        del model, skip, opt  # a DDP must not outlive its group (see short_group)
     return NoSyncRun(placement, steps, micro_batches, buckets, counter[0], digests)

@@ -69,10 +69,12 @@ def ragged_loss(
             dist.all_reduce(count, group=group)  # the global token count
             loss = per_token.sum() / count * world  # DDP's 1/N cancels the * world
         loss.backward()
+        replica = model.module
+        del model, per_token, loss  # a DDP must not outlive its group (see short_group)
     # The one-big-batch gradient: every rank's tokens in one mean, on one replica.
     big = [tokens_of(r, n) for r, n in enumerate(tokens)]
     xs, ys = torch.cat([b[0] for b in big]), torch.cat([b[1] for b in big])
     (reference(xs) - ys).pow(2).mean().backward()
     ref = _grads(reference)
-    error = ((_grads(model.module) - ref).abs().max() / ref.abs().max()).item()
+    error = ((_grads(replica) - ref).abs().max() / ref.abs().max()).item()
     return RaggedLoss(normalization, tuple(tokens), error)

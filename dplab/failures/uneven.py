@@ -69,4 +69,5 @@ def uneven_with_join(batches: int = 3, *, group_timeout_s: float = 5.0) -> JoinR
         with Join([model]):
             _train(model, count, rank)
         digests = tuple(every_rank(replica_digest(model.module), group))
+        del model  # a DDP must not outlive its group (see short_group)
     return JoinRun(count, digests)

@@ -67,6 +67,7 @@ def unused_parameters(
 ) -> UnusedParameters:
     """Rank function: train SkipNet with the skip layer never used, under torch's DDP."""
     steps = _checks.check_positive_int("steps", steps)
+    result = UnusedParameters(steps, None, None, ())
     with short_group(group_timeout_s, debug=debug) as group:
         model = TorchDDP(SkipNet(), process_group=group, find_unused_parameters=find_unused)
         for step in range(steps):
@@ -75,8 +76,10 @@ def unused_parameters(
             except RuntimeError as e:
                 match = _NAMED.search(str(e))
                 named = tuple(sorted(n.strip() for n in match["names"].split(","))) if match else ()
-                return UnusedParameters(step, str(e), step, named)
-    return UnusedParameters(steps, None, None, ())
+                result = UnusedParameters(step, str(e), step, named)
+                break
+        del model  # a DDP must not outlive its group (see short_group)
+    return result
 
 
 @dataclass(frozen=True)
@@ -120,4 +123,5 @@ def find_unused_cost(
             flag: bool(m._get_ddp_logging_data().get("has_rebuilt_buckets", 0))
             for flag, m in models.items()
         }
+        del models, model, out  # a DDP must not outlive its group (see short_group)
     return FindUnusedCost({f: statistics.median(t[1:]) for f, t in times.items()}, rebuilt)

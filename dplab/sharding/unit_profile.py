@@ -9,8 +9,9 @@ taken here on the same ranks that run :func:`~dplab.sharding.ranks.sharded_step`
   step before the first block and after the last. Nothing is sharded or communicated in the
   timed steps, and every rank computes at once, so on a box whose ranks share cores the compute
   is as slow as it is in a real step;
-* **the collectives at this world size:** ``all_reduce`` and ``all_gather_into_tensor`` of a
-  few sizes, timed on the ranks, from which the simulator fits α and β for this machine.
+* **the collectives at this world size:** ``all_reduce``, ``all_gather_into_tensor`` and
+  ``broadcast`` (ZeRO-1's) of a few sizes, timed on the ranks, from which the simulator fits α
+  and β for this machine.
 
 It returns plain numbers (a dict per rank): ``dplab.sim`` reads them with
 :func:`dplab.sim.sharded.unit_profile_from_ranks` and never imports this package.
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from dplab.sharding.ranks import LR, _wrap, rank_batch, sharded_model
 
-# all-reduce / all-gather sizes (bytes) for the α-β fit: from latency-bound to the whole model
+# collective sizes (bytes) for the α-β fits: from latency-bound to the whole model
 COLLECTIVE_SIZES = (4096, 65536, 262144, 1048576)
 
 
@@ -80,6 +81,8 @@ def _collective_ms(op: str, nbytes: int, world: int, group: Any, repeats: int) -
         t0 = time.perf_counter()
         if op == "all_reduce":
             dist.all_reduce(full, group=group)
+        elif op == "broadcast":  # from the group's first rank, as rank 0 is in every group here
+            dist.broadcast(full, src=0, group=group)
         else:
             dist.all_gather_into_tensor(full[: shard.numel() * world], shard, group=group)
         times.append(1e3 * (time.perf_counter() - t0))
@@ -164,7 +167,7 @@ def unit_profile(
     if world > 1:
         optimizer_ms = {"zero1": _zero1_optimizer_ms(group, world, repeats)}
         for nbytes in COLLECTIVE_SIZES:
-            for op in ("all_reduce", "all_gather"):
+            for op in ("all_reduce", "all_gather", "broadcast"):
                 collectives.append((op, nbytes, _collective_ms(op, nbytes, world, group, repeats)))
     alone_ms = {m: _alone_ms(m, alone, group, repeats) for m in ("ddp", "zero2", "zero3")}
     return {

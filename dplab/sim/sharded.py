@@ -9,7 +9,8 @@ simulator knows, and it is enough to lay out each method:
 * **DDP**: forward; backward unit by unit, each bucket's all-reduce issued when its last unit's
   gradients are ready (buckets cut by ``bucket_cap_mb`` at unit granularity); wait; optimizer.
 * **ZeRO-1** (torch's ``ZeroRedundancyOptimizer``): DDP's step, the optimizer on this rank's
-  share of the state, then every parameter broadcast from the rank that owns it.
+  share of the state, then every parameter broadcast from the rank that owns it (one broadcast
+  per parameter, each with its own latency, when a measured broadcast fit is given).
 * **ZeRO-3 / FSDP** (``fully_shard`` per block): before each unit's forward an all-gather of its
   weights; in backward every unit is gathered again (forward freed them: the root too, as torch
   2.13's FSDP2 does when ``reshard_after_forward=True`` is passed for it, as §9b does; 09b's
@@ -41,7 +42,7 @@ from typing import Any, Protocol
 
 from dplab._checks import check_choice, check_nonneg, check_positive, check_world_size
 from dplab._units import MIB
-from dplab.collectives.cost import fit_alpha_beta
+from dplab.collectives.cost import AlphaBetaFit, fit_alpha_beta
 from dplab.sim.link import Link
 from dplab.sim.profile import BackwardProfile
 
@@ -276,6 +277,18 @@ def links_from_ranks(results: Sequence[dict[str, Any] | None]) -> tuple[Link, Li
     return fits[0], fits[1]
 
 
+def broadcast_fit_from_ranks(results: Sequence[dict[str, Any] | None]) -> AlphaBetaFit | None:
+    """One broadcast's α + S·β at the profile's world size, from the broadcasts the ranks timed
+    (the slowest rank's time at each size); None for a profile that timed none."""
+    ranks = [r for r in results if r]
+    rows = [i for i, c in enumerate(ranks[0].get("collectives", ())) if c[0] == "broadcast"]
+    if not rows:
+        return None
+    sizes = [ranks[0]["collectives"][i][1] for i in rows]
+    times = [1e-3 * max(r["collectives"][i][2] for r in ranks) for i in rows]
+    return fit_alpha_beta(sizes, times, ranks[0]["world_size"], model="broadcast")
+
+
 @dataclass(frozen=True)
 class Span:
     """One thing on the rank's timeline: ``compute`` or ``comm`` lane, ms from the step start."""
@@ -420,12 +433,22 @@ def simulate_sharded(
     prefetch: bool = True,
     bucket_cap_mb: float = 25.0,
     gather_link: Priced | None = None,
+    broadcast: AlphaBetaFit | None = None,
 ) -> ShardedPrediction:
     """Predict one step of ``method`` at ``world_size`` ranks (see the module docstring).
 
     ``gather_link`` prices all-gathers (and broadcasts) when they cost differently from the
     all-reduce on this machine (gloo's are separate algorithms); by default ``link`` prices all.
+    ``broadcast`` (a fit of single broadcasts at this world size,
+    :func:`broadcast_fit_from_ranks`) prices ZeRO-1's broadcasts one parameter at a time, as
+    ``ZeroRedundancyOptimizer`` issues them: on gloo they do not pipeline into one transfer, and
+    29 of them issued at once took as long as 29 one after another (13.6 ms against 0.47 ms for
+    one, 2 ranks of this machine), so each pays its latency.
     """
+    if broadcast is not None and broadcast.world_size != world_size:
+        raise ValueError(
+            f"the broadcast fit is for {broadcast.world_size} ranks, not world_size={world_size}"
+        )
     method = check_choice("method", method, METHODS)
     backend = check_choice("backend", backend, BACKENDS)
     n = check_world_size(world_size)
@@ -443,9 +466,12 @@ def simulate_sharded(
     if profile.overhead_ms.get(method):
         prog.compute(f"{method} wrapper", profile.overhead_ms[method])
     prog.compute("optimizer", profile.optimizer(method, n))
-    if method == "zero1":  # every owner's broadcasts, issued at once, waited for together:
-        # on one channel they pipeline, priced as one all-gather of every weight
-        prog.issue("broadcast weights", price["all_gather"](profile.param_bytes))
+    if method == "zero1":  # every owner's broadcasts, issued at once, waited for together
+        if broadcast is None or n == 1:  # on one channel they pipeline: one all-gather
+            prog.issue("broadcast weights", price["all_gather"](profile.param_bytes))
+        else:  # one broadcast per parameter, each paying its own latency, one after another
+            for i, nbytes in enumerate(profile.tensor_bytes):
+                prog.issue(f"broadcast param{i}", broadcast.predict(nbytes))
         prog.wait_all()
     comm = sum(s.end_ms - s.start_ms for s in prog.spans if s.lane == "comm")
     compute = sum(s.end_ms - s.start_ms for s in prog.spans if s.lane == "compute")

@@ -3,13 +3,13 @@
 
 Each round, for N = 2 and 4 in turn: calibrate on the same warm ranks
 (:func:`dplab.sharding.unit_profile.unit_profile`: each unit's forward and backward, each
-method's own optimizer step, all-reduce, all-gather and broadcast times for the α-β fits),
-then time every method's bare steps (:func:`dplab.sharding.step_time.timed_step`), the methods
-in a rotating order. A step counts as its slowest rank; a method's measured time is the median
-over every step of every round. The prediction is :func:`dplab.sim.sharded.simulate_sharded`
-from each round's calibration, gloo's prices (a reduce-scatter is an all-reduce; ZeRO-1's
-broadcasts one per parameter, from the broadcast fit), with and without prefetch overlap; its
-median over rounds is compared.
+method's own optimizer step, ZeRO-1's burst of broadcasts, all-reduce and all-gather times for
+the α-β fits), then time every method's bare steps (:func:`dplab.sharding.step_time.timed_step`),
+the methods in a rotating order. A step counts as its slowest rank; a method's measured time is
+the median over every step of every round. The prediction is
+:func:`dplab.sim.sharded.simulate_sharded` from each round's calibration, gloo's prices (a
+reduce-scatter is an all-reduce; ZeRO-1's broadcasts as measured), with and without prefetch
+overlap; its median over rounds is compared.
 
     flock /tmp/dplab-cpu.lock .venv/bin/python benchmarks/sharded_vs_sim.py [--rounds 5]
 
@@ -31,12 +31,7 @@ from dplab.env import machine_info
 from dplab.sharding import METHODS
 from dplab.sharding.step_time import timed_step
 from dplab.sharding.unit_profile import unit_profile
-from dplab.sim.sharded import (
-    broadcast_fit_from_ranks,
-    links_from_ranks,
-    simulate_sharded,
-    unit_profile_from_ranks,
-)
+from dplab.sim.sharded import links_from_ranks, simulate_sharded, unit_profile_from_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "assets" / "sharded_vs_sim.json"
@@ -48,10 +43,9 @@ def one_round(cluster: dplab.Cluster, n: int, k: int) -> dict:
     raw = cluster.run(unit_profile, group_size=n)
     profile = unit_profile_from_ranks(raw)
     ar, ag = links_from_ranks(raw)
-    bc = broadcast_fit_from_ranks(raw)
     predicted = {
         f"{m}/{'prefetch' if pre else 'serial'}": simulate_sharded(
-            profile, m, ar, n, backend="gloo", prefetch=pre, gather_link=ag, broadcast=bc
+            profile, m, ar, n, backend="gloo", prefetch=pre, gather_link=ag
         ).step_ms
         for m in METHODS
         for pre in (True, False)
@@ -66,9 +60,9 @@ def one_round(cluster: dplab.Cluster, n: int, k: int) -> dict:
         "measured": measured,
         "compute_ms": profile.compute_ms,
         "optimizer_ms": profile.optimizer_ms,
+        "zero1_broadcast_ms": profile.broadcast_ms.get(n),
         "link": ar.to_dict(),
         "gather_link": ag.to_dict(),
-        "broadcast_fit": bc.to_dict() if bc else None,
     }
 
 

@@ -4,17 +4,15 @@ read from real gloo ranks (dplab.sharding.unit_profile, timed_step)."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 
 from dplab.cli import main
-from dplab.collectives.cost import fit_alpha_beta, ring_time
+from dplab.collectives.cost import ring_time
 from dplab.sim import BackwardProfile, Fabric, Link
 from dplab.sim.profile import ParamTiming
 from dplab.sim.sharded import (
     UnitProfile,
-    broadcast_fit_from_ranks,
     links_from_ranks,
     simulate_sharded,
     unit_profile_from_ranks,
@@ -94,20 +92,17 @@ def test_zero1_adds_the_weights_all_gather_after_a_sharded_optimizer():
     assert zero1.step_ms - ddp.step_ms == pytest.approx(ar_ms(p.param_bytes) / 2 - 8.0 / 2)
 
 
-def test_zero1_with_a_broadcast_fit_pays_each_parameters_latency():
-    # 1 ms + 1 µs per byte per broadcast, exactly (times made by the model itself)
-    sizes = [1000.0, 10_000.0, 100_000.0]
-    fit = fit_alpha_beta(sizes, [1e-3 + s * 1e-6 for s in sizes], 2, model="broadcast")
-    assert fit.alpha_s == pytest.approx(1e-3) and fit.beta_s_per_byte == pytest.approx(1e-6)
-    p = dataclasses.replace(profile(), tensor_bytes=(100, 200, 300, 400))
-    ddp = simulate_sharded(p, "ddp", LINK, 2)
-    zero1 = simulate_sharded(p, "zero1", LINK, 2, broadcast=fit)
-    broadcasts = [s for s in zero1.spans if s.name.startswith("broadcast param")]
-    assert len(broadcasts) == 4  # one per parameter, one after another
-    assert all(b.start_ms >= a.end_ms for a, b in itertools.pairwise(broadcasts))
-    assert zero1.step_ms - ddp.step_ms == pytest.approx(4 * 1.0 + 1000 * 1e-3 - 8.0 / 2)
-    with pytest.raises(ValueError, match="broadcast fit is for 2 ranks"):
-        simulate_sharded(p, "zero1", LINK, 4, broadcast=fit)
+def test_zero1_on_gloo_takes_its_measured_broadcasts_where_the_profile_has_them():
+    p = dataclasses.replace(profile(), broadcast_ms={2: 5.0})
+    ddp = simulate_sharded(p, "ddp", LINK, 2, backend="gloo")
+    zero1 = simulate_sharded(p, "zero1", LINK, 2, backend="gloo")
+    assert zero1.step_ms - ddp.step_ms == pytest.approx(5.0 - 8.0 / 2)
+    # at another world size, or priced for NCCL, the weights' all-gather as before
+    for n, backend in ((4, "gloo"), (2, "nccl")):
+        got = simulate_sharded(p, "zero1", LINK, n, backend=backend)
+        assert got.step_ms == pytest.approx(simulate_sharded(profile(), "zero1", LINK, n).step_ms)
+    with pytest.raises(ValueError, match="broadcast_ms"):
+        dataclasses.replace(profile(), broadcast_ms={2: -1.0})
 
 
 @pytest.mark.parametrize(
@@ -162,7 +157,7 @@ def _rank(world: int, a: float, b: float) -> dict:
         (op, s, (1 if op == "all_reduce" else 0.5) * 1e3 * ring_time(s, world, a, b))
         for s in (4096, 1 << 20)
         for op in ("all_reduce", "all_gather")
-    ] + [("broadcast", s, 1e3 * (3 * a + s * b)) for s in (4096, 1 << 20)]
+    ]
     return {
         "rank": 0,
         "world_size": world,
@@ -171,6 +166,7 @@ def _rank(world: int, a: float, b: float) -> dict:
         "tensor_bytes": [10, 20, 20],
         "collectives": colls,
         "optimizer_ms": {"zero1": 2.0},
+        "zero1_broadcast_ms": 7.0,
         "alone_ms": {"ddp": 25.0, "zero3": 40.0},
     }
 
@@ -181,13 +177,11 @@ def test_calibration_is_read_back_from_rank_data():
     assert p.block_forward_ms == (2.0, 2.0) and p.root_forward_ms == (1.0, 2.0)
     assert p.block_backward_ms == (4.0, 4.0) and p.root_backward_ms == (2.0, 3.0)
     assert p.optimizer_ms["zero1"] == 2.0 and p.overhead_ms["zero3"] == pytest.approx(16.0)
+    assert p.broadcast_ms == {4: 7.0}
     ar, ag = links_from_ranks(ranks)
     for link in (ar, ag):
         assert link.alpha_s == pytest.approx(2e-4, rel=1e-6)
         assert link.beta_s_per_byte == pytest.approx(1e-9, rel=1e-6)
-    bc = broadcast_fit_from_ranks(ranks)
-    assert bc.alpha_s == pytest.approx(6e-4, rel=1e-6) and bc.world_size == 4
-    assert bc.beta_s_per_byte == pytest.approx(1e-9, rel=1e-6)
     with pytest.raises(ValueError, match="no rank"):
         unit_profile_from_ranks([None])
 
@@ -210,8 +204,7 @@ def test_unit_profile_and_timed_step_on_real_ranks():
     assert all(len(t) == 2 and min(t) > 0 for t in times)
     ar, _ = links_from_ranks(raw)
     assert simulate_sharded(p, "zero3", ar, 2, backend="gloo").step_ms > p.compute_ms
-    bc = broadcast_fit_from_ranks(raw)
-    assert bc.world_size == 2 and bc.predict(4096) > 0
+    assert p.broadcast_ms[2] > 0
     with pytest.raises(ValueError, match="'zero9'"):
         timed_step("zero9")
 

@@ -63,19 +63,6 @@ def naive_time(size_bytes: float, world_size: int, alpha: float, beta: float) ->
     return 2 * (n - 1) * (a + s * b)
 
 
-def broadcast_time(size_bytes: float, world_size: int, alpha: float, beta: float) -> float:
-    """α-β time of one broadcast as fitted at its own world size: α + S·β (seconds).
-
-    How a broadcast's latency grows with N depends on the library's algorithm (a tree, a chain,
-    the root sending to each rank), so α here is whatever one broadcast costs at the world size
-    it was measured at, not a per-hop latency: fit it per N and use it at that N only.
-    """
-    check_world_size(world_size)
-    s = check_nonneg("size_bytes", size_bytes)
-    a, b = check_nonneg("alpha", alpha), check_nonneg("beta", beta)
-    return a + s * b
-
-
 def algbw(size_bytes: float, time_s: float) -> float:
     """Algorithm bandwidth, bytes/s: S / t (nccl-tests, doc/PERFORMANCE.md)."""
     return check_nonneg("size_bytes", size_bytes) / check_positive("time_s", time_s)
@@ -94,23 +81,13 @@ def _messages(n: int) -> float:
     return 2.0 * (n - 1)
 
 
-def _once(n: int) -> float:
-    return 1.0
-
-
 # model → (α coefficient, β coefficient per byte), as functions of N
-COST_MODELS = {
-    "ring": (_messages, bus_factor),
-    "naive": (_messages, _messages),
-    "broadcast": (_once, _once),
-}
-_TIMES = {"ring": ring_time, "naive": naive_time, "broadcast": broadcast_time}
+COST_MODELS = {"ring": (_messages, bus_factor), "naive": (_messages, _messages)}
 
 
 @dataclass(frozen=True)
 class AlphaBetaFit:
-    """α (s per message) and β (s per byte) fitted to measured all-reduce (or, with the
-    ``broadcast`` model, broadcast) times."""
+    """α (s per message) and β (s per byte) fitted to measured all-reduce times."""
 
     alpha_s: float
     beta_s_per_byte: float
@@ -129,8 +106,9 @@ class AlphaBetaFit:
         return self.bandwidth_Bps / GB
 
     def predict(self, size_bytes: float) -> float:
-        """Predicted time (s) of one all-reduce (or broadcast) of ``size_bytes`` at this N."""
-        return _TIMES[self.model](size_bytes, self.world_size, self.alpha_s, self.beta_s_per_byte)
+        """Predicted time (s) of one all-reduce of ``size_bytes`` at this world size."""
+        fn = ring_time if self.model == "ring" else naive_time
+        return fn(size_bytes, self.world_size, self.alpha_s, self.beta_s_per_byte)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; ``bandwidth_GBps`` is None when β is 0 (JSON has no infinity)."""
@@ -143,11 +121,10 @@ def fit_alpha_beta(
 ) -> AlphaBetaFit:
     """Least-squares α and β (both >= 0) from all-reduce times ``times[i]`` at ``sizes[i]`` bytes.
 
-    The model is :func:`ring_time` (or :func:`naive_time` with ``model="naive"``, or
-    :func:`broadcast_time` for broadcast times with ``model="broadcast"``), linear in α and β.
-    Residuals are *relative* (each row weighted by 1/t): sizes span five orders of magnitude,
-    and plain least squares would let the largest sizes decide everything, leaving α, which only
-    the small sizes can see, to noise. The error reported is relative too.
+    The model is :func:`ring_time` (or :func:`naive_time` with ``model="naive"``), linear in α
+    and β. Residuals are *relative* (each row weighted by 1/t): sizes span five orders of
+    magnitude, and plain least squares would let the largest sizes decide everything, leaving
+    α, which only the small sizes can see, to noise. The error reported is relative too.
     """
     import numpy as np
 

@@ -9,9 +9,9 @@ taken here on the same ranks that run :func:`~dplab.sharding.ranks.sharded_step`
   step before the first block and after the last. Nothing is sharded or communicated in the
   timed steps, and every rank computes at once, so on a box whose ranks share cores the compute
   is as slow as it is in a real step;
-* **the collectives at this world size:** ``all_reduce``, ``all_gather_into_tensor`` and
-  ``broadcast`` (ZeRO-1's) of a few sizes, timed on the ranks, from which the simulator fits α
-  and β for this machine.
+* **the collectives at this world size:** ``all_reduce`` and ``all_gather_into_tensor`` of a
+  few sizes, timed on the ranks, from which the simulator fits α and β for this machine, and
+  ZeRO-1's burst of broadcasts, timed whole (see :func:`_zero1_broadcast_ms`).
 
 It returns plain numbers (a dict per rank): ``dplab.sim`` reads them with
 :func:`dplab.sim.sharded.unit_profile_from_ranks` and never imports this package.
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dplab.sharding.ranks import LR, _wrap, rank_batch, sharded_model
 
-# collective sizes (bytes) for the α-β fits: from latency-bound to the whole model
+# all-reduce / all-gather sizes (bytes) for the α-β fit: from latency-bound to the whole model
 COLLECTIVE_SIZES = (4096, 65536, 262144, 1048576)
 
 
@@ -81,24 +81,28 @@ def _collective_ms(op: str, nbytes: int, world: int, group: Any, repeats: int) -
         t0 = time.perf_counter()
         if op == "all_reduce":
             dist.all_reduce(full, group=group)
-        elif op == "broadcast":  # from the group's first rank, as rank 0 is in every group here
-            dist.broadcast(full, src=0, group=group)
         else:
             dist.all_gather_into_tensor(full[: shard.numel() * world], shard, group=group)
         times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 
+def _zero1_owners(params: list[Any], world: int) -> list[int]:
+    """Each parameter's owner: largest first to the least loaded rank, as
+    ``ZeroRedundancyOptimizer`` assigns them (the groups here are ranks 0..n-1, so an owner's
+    group rank is its global rank)."""
+    loads, owners = [0] * world, [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        owners[i] = loads.index(min(loads))
+        loads[owners[i]] += params[i].numel()
+    return owners
+
+
 def _zero1_optimizer_ms(group: Any, world: int, repeats: int) -> float:
-    """Median ms of ZeRO-1's AdamW step on the whole tensors this rank owns (assigned largest
-    first to the least loaded rank, as ``ZeroRedundancyOptimizer`` does); the broadcasts after
-    it are the simulator's to price."""
-    loads, owned = [0] * world, []
-    for p in sorted(sharded_model().parameters(), key=lambda p: -p.numel()):
-        owner = loads.index(min(loads))
-        loads[owner] += p.numel()
-        if owner == dist.get_rank(group):
-            owned.append(p)
+    """Median ms of ZeRO-1's AdamW step on the whole tensors this rank owns."""
+    params = list(sharded_model().parameters())
+    me = dist.get_rank(group)
+    owned = [p for p, o in zip(params, _zero1_owners(params, world), strict=True) if o == me]
     opt = torch.optim.AdamW(owned, lr=LR)
     for p in owned:
         p.grad = torch.zeros_like(p)
@@ -107,6 +111,27 @@ def _zero1_optimizer_ms(group: Any, world: int, repeats: int) -> float:
         dist.barrier(group=group)
         t0 = time.perf_counter()
         opt.step()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _zero1_broadcast_ms(group: Any, world: int, repeats: int) -> float:
+    """Median ms of ZeRO-1's broadcasts after its step: every parameter from its owner, owner by
+    owner, issued at once and waited for together, as ``ZeroRedundancyOptimizer`` issues them.
+
+    Timed whole, like the optimizer, because on gloo the burst is no sum of broadcasts timed
+    alone: ``benchmarks/zero1_broadcasts.py`` measured the GPT's 29 at 35-40 times one 4 KiB
+    broadcast, while 8 of one size issued at once cost less than 8 alone."""
+    params = list(sharded_model().parameters())
+    owners = _zero1_owners(params, world)
+    in_order = [(p, o) for r in range(world) for p, o in zip(params, owners, strict=True) if o == r]
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        handles = [dist.broadcast(p.data, src=o, group=group, async_op=True) for p, o in in_order]
+        for h in handles:
+            h.wait()
         times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
@@ -136,9 +161,10 @@ def unit_profile(
     Returns this rank's raw data: ``steps`` (per step, ms since forward began: ``f{i}<``,
     ``f{i}>``, ``b{i}<``, ``b{i}>`` for block ``i``, and ``forward``, ``backward``,
     ``optimizer``), ``unit_bytes`` (the root's and each block's fp32 weight bytes, root first),
-    ``tensor_bytes`` (every parameter's), ``collectives`` (``(op, bytes, ms)``) and
-    ``optimizer_ms`` (ZeRO-1's own optimizer step on its share) and ``alone_ms`` (DDP's, ZeRO-2's
-    and ZeRO-3's whole step on a group of this rank alone: the wrapper's own work).
+    ``tensor_bytes`` (every parameter's), ``collectives`` (``(op, bytes, ms)``),
+    ``optimizer_ms`` (ZeRO-1's own optimizer step on its share), ``zero1_broadcast_ms`` (the
+    broadcasts after it, None on one rank) and ``alone_ms`` (DDP's, ZeRO-2's and ZeRO-3's whole
+    step on a group of this rank alone: the wrapper's own work).
     ``group_size=n`` runs on the first ``n`` ranks only, as :func:`sharded_step` does.
     """
     for name, v, low in (("steps", steps, 1), ("warmup", warmup, 0), ("repeats", repeats, 1)):
@@ -163,11 +189,12 @@ def unit_profile(
     timed = [_timed_step(model, opt, x, y, group) for _ in range(warmup + steps)][warmup:]
     block_bytes = [sum(4 * p.numel() for p in b.parameters()) for b in model.blocks]
     total = sum(4 * p.numel() for p in model.parameters())
-    collectives, optimizer_ms = [], {}
+    collectives, optimizer_ms, zero1_broadcast_ms = [], {}, None
     if world > 1:
         optimizer_ms = {"zero1": _zero1_optimizer_ms(group, world, repeats)}
+        zero1_broadcast_ms = _zero1_broadcast_ms(group, world, repeats)
         for nbytes in COLLECTIVE_SIZES:
-            for op in ("all_reduce", "all_gather", "broadcast"):
+            for op in ("all_reduce", "all_gather"):
                 collectives.append((op, nbytes, _collective_ms(op, nbytes, world, group, repeats)))
     alone_ms = {m: _alone_ms(m, alone, group, repeats) for m in ("ddp", "zero2", "zero3")}
     return {
@@ -178,5 +205,6 @@ def unit_profile(
         "tensor_bytes": [4 * p.numel() for p in model.parameters()],
         "collectives": collectives,
         "optimizer_ms": optimizer_ms,
+        "zero1_broadcast_ms": zero1_broadcast_ms,
         "alone_ms": alone_ms,
     }

@@ -9,8 +9,9 @@ simulator knows, and it is enough to lay out each method:
 * **DDP**: forward; backward unit by unit, each bucket's all-reduce issued when its last unit's
   gradients are ready (buckets cut by ``bucket_cap_mb`` at unit granularity); wait; optimizer.
 * **ZeRO-1** (torch's ``ZeroRedundancyOptimizer``): DDP's step, the optimizer on this rank's
-  share of the state, then every parameter broadcast from the rank that owns it (one broadcast
-  per parameter, each with its own latency, when a measured broadcast fit is given).
+  share of the state, then every parameter broadcast from the rank that owns it (on gloo, where
+  the profile measured that burst at this N, its measured time: gloo does not pipeline the
+  broadcasts into one transfer, and their burst is no sum of broadcasts timed alone).
 * **ZeRO-3 / FSDP** (``fully_shard`` per block): before each unit's forward an all-gather of its
   weights; in backward every unit is gathered again (forward freed them: the root too, as torch
   2.13's FSDP2 does when ``reshard_after_forward=True`` is passed for it, as §9b does; 09b's
@@ -42,7 +43,7 @@ from typing import Any, Protocol
 
 from dplab._checks import check_choice, check_nonneg, check_positive, check_world_size
 from dplab._units import MIB
-from dplab.collectives.cost import AlphaBetaFit, fit_alpha_beta
+from dplab.collectives.cost import fit_alpha_beta
 from dplab.sim.link import Link
 from dplab.sim.profile import BackwardProfile
 
@@ -74,6 +75,9 @@ class UnitProfile:
     sizes. ``overhead_ms`` maps a method to its wrapper's own work per step (hooks, copies into
     and out of flat buffers, DTensor dispatch), a compute span at the end of backward; measured
     as the method's step on a group of one rank minus the plain step (0 where absent).
+    ``broadcast_ms`` maps a world size to ZeRO-1's burst of broadcasts measured there on gloo
+    (every parameter from its owner, issued at once); elsewhere they are priced as one
+    all-gather of every weight.
     """
 
     root_bytes: int
@@ -85,6 +89,7 @@ class UnitProfile:
     optimizer_ms: dict[str, float]
     tensor_bytes: tuple[int, ...] = ()
     overhead_ms: dict[str, float] = field(default_factory=dict)
+    broadcast_ms: dict[int, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +110,8 @@ class UnitProfile:
         ):
             for v in getattr(self, name):
                 check_nonneg(name, v)
+        for v in self.broadcast_ms.values():
+            check_nonneg("broadcast_ms", v)
         if "ddp" not in self.optimizer_ms:
             raise ValueError(f"optimizer_ms needs a 'ddp' entry, got {sorted(self.optimizer_ms)}")
 
@@ -230,6 +237,9 @@ def unit_profile_from_ranks(results: Sequence[dict[str, Any] | None]) -> UnitPro
     overhead = {m: max(0.0, t - plain) for m, t in alone.items()}
     if "ddp" in overhead:
         overhead["zero1"] = overhead["ddp"]  # ZeRO-1's step is DDP's; its optimizer is timed
+    broadcast = {}
+    if ranks[0].get("zero1_broadcast_ms") is not None:
+        broadcast[ranks[0]["world_size"]] = max(r["zero1_broadcast_ms"] for r in ranks)
     for m in ("zero2", "zero3"):  # the alone step includes FSDP's optimizer; not twice
         if m in overhead:
             optimizer[m] = optimizer["ddp"]
@@ -243,6 +253,7 @@ def unit_profile_from_ranks(results: Sequence[dict[str, Any] | None]) -> UnitPro
         optimizer_ms=optimizer,
         tensor_bytes=tuple(ranks[0]["tensor_bytes"]),
         overhead_ms=overhead,
+        broadcast_ms=broadcast,
         meta={"world_size": ranks[0]["world_size"], "ranks": len(ranks), "steps": n_steps},
     )
 
@@ -275,18 +286,6 @@ def links_from_ranks(results: Sequence[dict[str, Any] | None]) -> tuple[Link, Li
             )
         )
     return fits[0], fits[1]
-
-
-def broadcast_fit_from_ranks(results: Sequence[dict[str, Any] | None]) -> AlphaBetaFit | None:
-    """One broadcast's α + S·β at the profile's world size, from the broadcasts the ranks timed
-    (the slowest rank's time at each size); None for a profile that timed none."""
-    ranks = [r for r in results if r]
-    rows = [i for i, c in enumerate(ranks[0].get("collectives", ())) if c[0] == "broadcast"]
-    if not rows:
-        return None
-    sizes = [ranks[0]["collectives"][i][1] for i in rows]
-    times = [1e-3 * max(r["collectives"][i][2] for r in ranks) for i in rows]
-    return fit_alpha_beta(sizes, times, ranks[0]["world_size"], model="broadcast")
 
 
 @dataclass(frozen=True)
@@ -433,22 +432,12 @@ def simulate_sharded(
     prefetch: bool = True,
     bucket_cap_mb: float = 25.0,
     gather_link: Priced | None = None,
-    broadcast: AlphaBetaFit | None = None,
 ) -> ShardedPrediction:
     """Predict one step of ``method`` at ``world_size`` ranks (see the module docstring).
 
     ``gather_link`` prices all-gathers (and broadcasts) when they cost differently from the
     all-reduce on this machine (gloo's are separate algorithms); by default ``link`` prices all.
-    ``broadcast`` (a fit of single broadcasts at this world size,
-    :func:`broadcast_fit_from_ranks`) prices ZeRO-1's broadcasts one parameter at a time, as
-    ``ZeroRedundancyOptimizer`` issues them: on gloo they do not pipeline into one transfer, and
-    29 of them issued at once took as long as 29 one after another (13.6 ms against 0.47 ms for
-    one, 2 ranks of this machine), so each pays its latency.
     """
-    if broadcast is not None and broadcast.world_size != world_size:
-        raise ValueError(
-            f"the broadcast fit is for {broadcast.world_size} ranks, not world_size={world_size}"
-        )
     method = check_choice("method", method, METHODS)
     backend = check_choice("backend", backend, BACKENDS)
     n = check_world_size(world_size)
@@ -467,11 +456,10 @@ def simulate_sharded(
         prog.compute(f"{method} wrapper", profile.overhead_ms[method])
     prog.compute("optimizer", profile.optimizer(method, n))
     if method == "zero1":  # every owner's broadcasts, issued at once, waited for together
-        if broadcast is None or n == 1:  # on one channel they pipeline: one all-gather
+        if backend == "gloo" and n in profile.broadcast_ms:  # measured: no sum of single ones
+            prog.issue("broadcast weights", profile.broadcast_ms[n] / 1e3)
+        else:  # on one channel they pipeline, priced as one all-gather of every weight
             prog.issue("broadcast weights", price["all_gather"](profile.param_bytes))
-        else:  # one broadcast per parameter, each paying its own latency, one after another
-            for i, nbytes in enumerate(profile.tensor_bytes):
-                prog.issue(f"broadcast param{i}", broadcast.predict(nbytes))
         prog.wait_all()
     comm = sum(s.end_ms - s.start_ms for s in prog.spans if s.lane == "comm")
     compute = sum(s.end_ms - s.start_ms for s in prog.spans if s.lane == "compute")

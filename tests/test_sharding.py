@@ -176,3 +176,30 @@ def test_measured_points_beside_the_curves():
     assert len(crosses) == 1 and list(crosses[0].y) == [0.016, 0.008, 0.004]
     with pytest.raises(ValueError, match="5"):
         memory_vs_world_size(1000, measured_by_stage={5: {1: 1}})
+
+
+def _zero1_partitions(n: int) -> tuple[list[list[int]], list[list[int]]] | None:
+    """On a rank: torch's ZeroRedundancyOptimizer's partition of the GPT and
+    ``zero1_partition``'s, as parameter indices per rank in order."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from dplab.sharding.ranks import sharded_model
+    from dplab.sharding.unit_profile import zero1_partition
+
+    group = dist.new_group(list(range(n)))  # every rank takes part in creating it
+    if dist.get_rank() >= n:
+        return None
+    params = list(sharded_model().parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    opt = ZeroRedundancyOptimizer(params, torch.optim.AdamW, process_group=group)
+    theirs = [[index[id(p)] for p in groups[0]["params"]] for groups in opt._partition_parameters()]
+    ours = [[index[id(p)] for p in owned] for owned in zero1_partition(params, n)]
+    return theirs, ours
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_zero1_partition_is_torchs_owners_and_order(pool, n):
+    """The unit profile times ZeRO-1's broadcasts owner by owner in this order: torch's own."""
+    theirs, ours = next(r for r in pool.run(_zero1_partitions, n) if r)
+    assert ours == theirs

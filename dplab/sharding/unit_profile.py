@@ -87,22 +87,23 @@ def _collective_ms(op: str, nbytes: int, world: int, group: Any, repeats: int) -
     return statistics.median(times)
 
 
-def _zero1_owners(params: list[Any], world: int) -> list[int]:
-    """Each parameter's owner: largest first to the least loaded rank, as
-    ``ZeroRedundancyOptimizer`` assigns them (the groups here are ranks 0..n-1, so an owner's
-    group rank is its global rank)."""
-    loads, owners = [0] * world, [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
-        owners[i] = loads.index(min(loads))
-        loads[owners[i]] += params[i].numel()
-    return owners
+def zero1_partition(params: list[Any], world: int) -> list[list[Any]]:
+    """Each rank's parameters, as ``ZeroRedundancyOptimizer`` assigns them: largest first, each
+    to the least loaded rank, in the order assigned (its step broadcasts them owner by owner in
+    that order). The groups here are ranks 0..n-1, so an owner's group rank is its global rank.
+    """
+    loads: list[int] = [0] * world
+    owned: list[list[Any]] = [[] for _ in range(world)]
+    for p in sorted(params, key=lambda p: -p.numel()):
+        owner = loads.index(min(loads))
+        loads[owner] += p.numel()
+        owned[owner].append(p)
+    return owned
 
 
 def _zero1_optimizer_ms(group: Any, world: int, repeats: int) -> float:
     """Median ms of ZeRO-1's AdamW step on the whole tensors this rank owns."""
-    params = list(sharded_model().parameters())
-    me = dist.get_rank(group)
-    owned = [p for p, o in zip(params, _zero1_owners(params, world), strict=True) if o == me]
+    owned = zero1_partition(list(sharded_model().parameters()), world)[dist.get_rank(group)]
     opt = torch.optim.AdamW(owned, lr=LR)
     for p in owned:
         p.grad = torch.zeros_like(p)
@@ -115,23 +116,31 @@ def _zero1_optimizer_ms(group: Any, world: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def zero1_broadcast_burst(params: list[Any], world: int, group: Any = None) -> None:
+    """ZeRO-1's broadcasts after its step: every parameter from its owner, owner by owner,
+    issued at once (``async_op=True``) and waited for together, as ``ZeroRedundancyOptimizer``
+    issues them."""
+    handles = [
+        dist.broadcast(p.data, src=owner, group=group, async_op=True)
+        for owner, owned in enumerate(zero1_partition(params, world))
+        for p in owned
+    ]
+    for h in handles:
+        h.wait()
+
+
 def _zero1_broadcast_ms(group: Any, world: int, repeats: int) -> float:
-    """Median ms of ZeRO-1's broadcasts after its step: every parameter from its owner, owner by
-    owner, issued at once and waited for together, as ``ZeroRedundancyOptimizer`` issues them.
+    """Median ms of :func:`zero1_broadcast_burst` on the GPT.
 
     Timed whole, like the optimizer, because on gloo the burst is no sum of broadcasts timed
-    alone: ``benchmarks/zero1_broadcasts.py`` measured the GPT's 29 at 35-40 times one 4 KiB
-    broadcast, while 8 of one size issued at once cost less than 8 alone."""
+    alone (``benchmarks/zero1_broadcasts.py``), and an α-β fit of single broadcasts predicted
+    it at about half its time."""
     params = list(sharded_model().parameters())
-    owners = _zero1_owners(params, world)
-    in_order = [(p, o) for r in range(world) for p, o in zip(params, owners, strict=True) if o == r]
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        handles = [dist.broadcast(p.data, src=o, group=group, async_op=True) for p, o in in_order]
-        for h in handles:
-            h.wait()
+        zero1_broadcast_burst(params, world, group)
         times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 

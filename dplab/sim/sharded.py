@@ -24,8 +24,9 @@ simulator knows, and it is enough to lay out each method:
 
 Prices, from a :class:`~dplab.sim.link.Link` or :class:`~dplab.sim.fabric.Fabric` (anything with
 ``allreduce_s(nbytes, world_size)``): an all-gather or a reduce-scatter of S bytes on a ring is
-half an all-reduce of S, (N−1)·α + (N−1)/N·S·β; a broadcast is priced as an all-gather. Gloo
-has no reduce-scatter: it runs a full all-reduce (``backend="gloo"`` prices it so).
+half an all-reduce of S, (N−1)·α + (N−1)/N·S·β; ZeRO-1's broadcasts are priced as one
+all-gather of every weight (on gloo, the profile's measured burst where it has one at that N).
+Gloo has no reduce-scatter: it runs a full all-reduce (``backend="gloo"`` prices it so).
 
 The compute comes from :class:`UnitProfile`: measured on real ranks by
 :func:`dplab.sharding.unit_profile.unit_profile` and read with :func:`unit_profile_from_ranks`,
@@ -435,8 +436,9 @@ def simulate_sharded(
 ) -> ShardedPrediction:
     """Predict one step of ``method`` at ``world_size`` ranks (see the module docstring).
 
-    ``gather_link`` prices all-gathers (and broadcasts) when they cost differently from the
-    all-reduce on this machine (gloo's are separate algorithms); by default ``link`` prices all.
+    ``gather_link`` prices all-gathers (and ZeRO-1's broadcasts, unless ``profile.broadcast_ms``
+    measured them at this N on gloo) when they cost differently from the all-reduce on this
+    machine (gloo's are separate algorithms); by default ``link`` prices all.
     """
     method = check_choice("method", method, METHODS)
     backend = check_choice("backend", backend, BACKENDS)

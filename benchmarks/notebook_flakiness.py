@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -112,13 +113,32 @@ def run_once(notebook: Path) -> tuple[bool, list[str], float, str]:
         except subprocess.TimeoutExpired:
             return False, ["(timed out)"], time.perf_counter() - t0, "timed out"
         seconds = time.perf_counter() - t0
-        failed = []
+        failed, texts = [], []
         if junit.exists():
             for case in ET.parse(junit).getroot().iter("testcase"):
-                if case.find("failure") is not None or case.find("error") is not None:
+                problems = [p for p in (case.find("failure"), case.find("error")) if p is not None]
+                if problems:
                     failed.append(case.get("name", "?"))
+                    texts.append(f"--- {failed[-1]}:\n{failing_line(problems[0].text or '')}")
         ok = done.returncode == 0
-        return ok, failed, seconds, "" if ok else (done.stdout + done.stderr)[-1500:]
+        if ok:
+            return ok, failed, seconds, ""
+        return ok, failed, seconds, "\n".join(texts) or (done.stdout + done.stderr)[-1500:]
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def failing_line(text: str, context: int = 6) -> str:
+    """The lines around nbval's ``---->`` mark (the cell's failing line) and the error's last
+    line, without colour codes: enough to tell which assert of a cell went red."""
+    lines = ANSI.sub("", text).splitlines()
+    marks = [i for i, line in enumerate(lines) if line.lstrip().startswith("--->")]
+    if not marks:
+        return "\n".join(lines[-context:])
+    i = marks[0]
+    error = next((line for line in reversed(lines) if line.strip()), "")
+    return "\n".join([*lines[max(0, i - context) : i + 2], "...", error])
 
 
 def cpu_hog() -> subprocess.Popen:

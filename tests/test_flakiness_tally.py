@@ -69,3 +69,16 @@ def test_a_changed_notebook_starts_over(bench, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "notebook_sha", real_sha)  # the notebook on disk is not that
     bench.main(["--report", str(saved)])
     assert "03_dp_mechanics.ipynb: its runs are of an older version" in capsys.readouterr().out
+
+
+def test_a_red_cell_is_kept_as_its_failing_line_without_colour(bench):
+    nbval = (
+        "\x1b[0;31mAssertionError\x1b[0m   Traceback (most recent call last)\n"
+        "Cell In[1], line 3\n      1 x = 1\n      2 y = 2\n"
+        "\x1b[0;32m----> 3\x1b[0m assert x == y, (x, y)\n\n"
+        "\x1b[0;31mAssertionError\x1b[0m: (1, 2)\n"
+    )
+    kept = bench.failing_line(nbval)
+    assert "\x1b" not in kept
+    assert "----> 3 assert x == y, (x, y)" in kept and kept.endswith("AssertionError: (1, 2)")
+    assert bench.failing_line("a\nb\nc", context=2) == "b\nc"  # no mark: the last lines

@@ -3,13 +3,13 @@
 
 Each round, for N = 2 and 4 in turn: calibrate on the same warm ranks
 (:func:`dplab.sharding.unit_profile.unit_profile`: each unit's forward and backward, each
-method's own optimizer step, ZeRO-1's burst of broadcasts, all-reduce and all-gather times for
-the α-β fits), then time every method's bare steps (:func:`dplab.sharding.step_time.timed_step`),
-the methods in a rotating order. A step counts as its slowest rank; a method's measured time is
-the median over every step of every round. The prediction is
-:func:`dplab.sim.sharded.simulate_sharded` from each round's calibration, gloo's prices (a
-reduce-scatter is an all-reduce; ZeRO-1's broadcasts as measured), with and without prefetch
-overlap; its median over rounds is compared.
+method's own optimizer step, ZeRO-1's burst of broadcasts, each FSDP2 unit's all-gather,
+all-reduce and all-gather times for the α-β fits), then time every method's bare steps
+(:func:`dplab.sharding.step_time.timed_step`), the methods in a rotating order. A step counts
+as its slowest rank; a method's measured time is the median over every step of every round.
+The prediction is :func:`dplab.sim.sharded.simulate_sharded` from each round's calibration,
+gloo's prices (a reduce-scatter is an all-reduce; ZeRO-1's broadcasts and FSDP2's all-gathers
+as measured), with and without prefetch overlap; its median over rounds is compared.
 
     flock /tmp/dplab-cpu.lock .venv/bin/python benchmarks/sharded_vs_sim.py [--rounds 5]
 
@@ -61,6 +61,7 @@ def one_round(cluster: dplab.Cluster, n: int, k: int) -> dict:
         "compute_ms": profile.compute_ms,
         "optimizer_ms": profile.optimizer_ms,
         "zero1_broadcast_ms": profile.broadcast_ms.get(n),
+        "gather_ms": profile.gather_ms.get(n),
         "link": ar.to_dict(),
         "gather_link": ag.to_dict(),
     }

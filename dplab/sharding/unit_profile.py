@@ -11,7 +11,8 @@ taken here on the same ranks that run :func:`~dplab.sharding.ranks.sharded_step`
   is as slow as it is in a real step;
 * **the collectives at this world size:** ``all_reduce`` and ``all_gather_into_tensor`` of a
   few sizes, timed on the ranks, from which the simulator fits α and β for this machine, and
-  ZeRO-1's burst of broadcasts, timed whole (see :func:`_zero1_broadcast_ms`).
+  two that gloo runs at a cost no such fit gives: ZeRO-1's burst of broadcasts and each FSDP2
+  unit's all-gather, timed whole (see :func:`_zero1_broadcast_ms`, :func:`_fsdp_gather_ms`).
 
 It returns plain numbers (a dict per rank): ``dplab.sim`` reads them with
 :func:`dplab.sim.sharded.unit_profile_from_ranks` and never imports this package.
@@ -145,6 +146,27 @@ def _zero1_broadcast_ms(group: Any, world: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _fsdp_gather_ms(group: Any, repeats: int) -> list[float]:
+    """Median ms of each FSDP2 unit's all-gather as FSDP2 runs it, root first, then the blocks:
+    ``unshard()`` (the copy into the flat buffer, the gloo all-gather, the copy out into the
+    parameters) on the real group.
+
+    Timed per unit, like ZeRO-1's broadcasts, because on gloo it costs several times a bare
+    ``all_gather_into_tensor`` of the unit's bytes (about 1 ms against 0.2 ms per block on 2
+    ranks of this machine), so an α-β fit of the bare collective prices it far too low."""
+    model, _ = _wrap("zero3", sharded_model(), torch.optim.AdamW, group, per_block=True)
+    units = [model, *model.blocks]
+    times: list[list[float]] = [[] for _ in units]
+    for _ in range(repeats):
+        for unit, unit_times in zip(units, times, strict=True):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            unit.unshard()
+            unit_times.append(1e3 * (time.perf_counter() - t0))
+            unit.reshard()
+    return [statistics.median(t) for t in times]
+
+
 def _alone_ms(method: str, alone: Any, group: Any, repeats: int) -> float:
     """Median ms of a whole ``method`` step on a group of this rank alone, while the other ranks
     do the same: the wrapper's own work (hooks, copies in and out of the flat buffers, DTensor
@@ -172,7 +194,8 @@ def unit_profile(
     ``optimizer``), ``unit_bytes`` (the root's and each block's fp32 weight bytes, root first),
     ``tensor_bytes`` (every parameter's), ``collectives`` (``(op, bytes, ms)``),
     ``optimizer_ms`` (ZeRO-1's own optimizer step on its share), ``zero1_broadcast_ms`` (the
-    broadcasts after it, None on one rank) and ``alone_ms`` (DDP's, ZeRO-2's and ZeRO-3's whole
+    broadcasts after it, None on one rank), ``gather_ms`` (each FSDP2 unit's all-gather, root
+    first, None on one rank) and ``alone_ms`` (DDP's, ZeRO-2's and ZeRO-3's whole
     step on a group of this rank alone: the wrapper's own work).
     ``group_size=n`` runs on the first ``n`` ranks only, as :func:`sharded_step` does.
     """
@@ -198,10 +221,11 @@ def unit_profile(
     timed = [_timed_step(model, opt, x, y, group) for _ in range(warmup + steps)][warmup:]
     block_bytes = [sum(4 * p.numel() for p in b.parameters()) for b in model.blocks]
     total = sum(4 * p.numel() for p in model.parameters())
-    collectives, optimizer_ms, zero1_broadcast_ms = [], {}, None
+    collectives, optimizer_ms, zero1_broadcast_ms, gather_ms = [], {}, None, None
     if world > 1:
         optimizer_ms = {"zero1": _zero1_optimizer_ms(group, world, repeats)}
         zero1_broadcast_ms = _zero1_broadcast_ms(group, world, repeats)
+        gather_ms = _fsdp_gather_ms(group, repeats)
         for nbytes in COLLECTIVE_SIZES:
             for op in ("all_reduce", "all_gather"):
                 collectives.append((op, nbytes, _collective_ms(op, nbytes, world, group, repeats)))
@@ -215,5 +239,6 @@ def unit_profile(
         "collectives": collectives,
         "optimizer_ms": optimizer_ms,
         "zero1_broadcast_ms": zero1_broadcast_ms,
+        "gather_ms": gather_ms,
         "alone_ms": alone_ms,
     }

@@ -25,8 +25,11 @@ simulator knows, and it is enough to lay out each method:
 Prices, from a :class:`~dplab.sim.link.Link` or :class:`~dplab.sim.fabric.Fabric` (anything with
 ``allreduce_s(nbytes, world_size)``): an all-gather or a reduce-scatter of S bytes on a ring is
 half an all-reduce of S, (N−1)·α + (N−1)/N·S·β; ZeRO-1's broadcasts are priced as one
-all-gather of every weight (on gloo, the profile's measured burst where it has one at that N).
-Gloo has no reduce-scatter: it runs a full all-reduce (``backend="gloo"`` prices it so).
+all-gather of every weight. On gloo, where the profile measured them at that N, ZeRO-1's burst of
+broadcasts and each FSDP unit's all-gather (as FSDP2 runs it: copies in and out included) take
+their measured times instead: on this machine they cost about twice and five times what an α-β
+fit of the bare collective gives. Gloo has no reduce-scatter: it runs a full all-reduce
+(``backend="gloo"`` prices it so).
 
 The compute comes from :class:`UnitProfile`: measured on real ranks by
 :func:`dplab.sharding.unit_profile.unit_profile` and read with :func:`unit_profile_from_ranks`,
@@ -78,7 +81,9 @@ class UnitProfile:
     as the method's step on a group of one rank minus the plain step (0 where absent).
     ``broadcast_ms`` maps a world size to ZeRO-1's burst of broadcasts measured there on gloo
     (every parameter from its owner, issued at once); elsewhere they are priced as one
-    all-gather of every weight.
+    all-gather of every weight. ``gather_ms`` maps a world size to each unit's all-gather as
+    FSDP2 runs it there on gloo (root first, then the blocks); elsewhere an all-gather is
+    priced from its bytes.
     """
 
     root_bytes: int
@@ -91,6 +96,7 @@ class UnitProfile:
     tensor_bytes: tuple[int, ...] = ()
     overhead_ms: dict[str, float] = field(default_factory=dict)
     broadcast_ms: dict[int, float] = field(default_factory=dict)
+    gather_ms: dict[int, tuple[float, ...]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +119,14 @@ class UnitProfile:
                 check_nonneg(name, v)
         for v in self.broadcast_ms.values():
             check_nonneg("broadcast_ms", v)
+        for world, units in self.gather_ms.items():
+            if len(units) != n + 1:
+                raise ValueError(
+                    f"gather_ms[{world}] needs the root's and each of the {n} blocks' all-gather, "
+                    f"got {len(units)} times"
+                )
+            for v in units:
+                check_nonneg("gather_ms", v)
         if "ddp" not in self.optimizer_ms:
             raise ValueError(f"optimizer_ms needs a 'ddp' entry, got {sorted(self.optimizer_ms)}")
 
@@ -238,9 +252,12 @@ def unit_profile_from_ranks(results: Sequence[dict[str, Any] | None]) -> UnitPro
     overhead = {m: max(0.0, t - plain) for m, t in alone.items()}
     if "ddp" in overhead:
         overhead["zero1"] = overhead["ddp"]  # ZeRO-1's step is DDP's; its optimizer is timed
-    broadcast = {}
+    broadcast, gather = {}, {}
     if ranks[0].get("zero1_broadcast_ms") is not None:
         broadcast[ranks[0]["world_size"]] = max(r["zero1_broadcast_ms"] for r in ranks)
+    if ranks[0].get("gather_ms") is not None:  # each unit's slowest rank
+        per_rank = [r["gather_ms"] for r in ranks]
+        gather[ranks[0]["world_size"]] = tuple(map(max, zip(*per_rank, strict=True)))
     for m in ("zero2", "zero3"):  # the alone step includes FSDP's optimizer; not twice
         if m in overhead:
             optimizer[m] = optimizer["ddp"]
@@ -255,6 +272,7 @@ def unit_profile_from_ranks(results: Sequence[dict[str, Any] | None]) -> UnitPro
         tensor_bytes=tuple(ranks[0]["tensor_bytes"]),
         overhead_ms=overhead,
         broadcast_ms=broadcast,
+        gather_ms=gather,
         meta={"world_size": ranks[0]["world_size"], "ranks": len(ranks), "steps": n_steps},
     )
 
@@ -379,14 +397,14 @@ def _ddp_backward(prog: _Program, p: UnitProfile, price: dict[str, Any], cap: fl
 
 def _fsdp_forward(prog: _Program, p: UnitProfile, price: dict[str, Any]) -> None:
     n = len(p.block_bytes)
-    prog.issue("all_gather root", price["all_gather"](p.root_bytes))
+    prog.issue("all_gather root", price["unit_gather"](0))
     if prog.prefetch:
-        prog.issue("all_gather block0", price["all_gather"](p.block_bytes[0]))
+        prog.issue("all_gather block0", price["unit_gather"](1))
     prog.compute("forward root-embed", p.root_forward_ms[0], ["all_gather root"])
     for i in range(n):
         nxt = i + 1 if prog.prefetch else i
         if nxt < n and (nxt > 0 or not prog.prefetch):
-            prog.issue(f"all_gather block{nxt}", price["all_gather"](p.block_bytes[nxt]))
+            prog.issue(f"all_gather block{nxt}", price["unit_gather"](nxt + 1))
         prog.compute(f"forward block{i}", p.block_forward_ms[i], [f"all_gather block{i}"])
     prog.compute("forward root-head", p.root_forward_ms[1])
 
@@ -397,13 +415,13 @@ def _fsdp_backward(prog: _Program, p: UnitProfile, price: dict[str, Any], regath
 
     def gather(i: int) -> None:
         if regather:
-            prog.issue(f"all_gather block{i} (backward)", price["all_gather"](p.block_bytes[i]))
+            prog.issue(f"all_gather block{i} (backward)", price["unit_gather"](i + 1))
 
     def needs(i: int) -> list[str]:
         return [f"all_gather block{i} (backward)"] if regather else []
 
     if regather:  # the root was resharded too: backward's first unit needs it back
-        prog.issue("all_gather root (backward)", price["all_gather"](p.root_bytes))
+        prog.issue("all_gather root (backward)", price["unit_gather"](0))
     if prog.prefetch:
         gather(blocks[0])
     prog.compute(
@@ -445,6 +463,11 @@ def simulate_sharded(
     n = check_world_size(world_size)
     cap = check_positive("bucket_cap_mb", bucket_cap_mb) * MIB
     price = _prices(link, n, backend, gather_link)
+    measured = profile.gather_ms.get(n) if backend == "gloo" else None
+    units = (profile.root_bytes, *profile.block_bytes)
+    price["unit_gather"] = (  # unit 0 the root, 1 + i block i
+        (lambda u: measured[u] / 1e3) if measured else (lambda u: price["all_gather"](units[u]))
+    )
     if n == 1:  # one rank: nothing to talk to
         price = dict.fromkeys(price, lambda s: 0.0)
     prog = _Program(prefetch)

@@ -100,7 +100,8 @@ def load_saved(path: Path, load: str) -> dict[str, Tally]:
 
 
 def run_once(notebook: Path) -> tuple[bool, list[str], float, str]:
-    """One nbval run: (passed, failed cell names, seconds, the tail of the output when red)."""
+    """One nbval run: (passed, failed cell names, seconds, and when red each failing cell's
+    failing line and error, or the tail of the output where no cell was named)."""
     with tempfile.TemporaryDirectory(prefix="dplab-flaky-") as tmp:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
@@ -119,21 +120,25 @@ def run_once(notebook: Path) -> tuple[bool, list[str], float, str]:
                 problems = [p for p in (case.find("failure"), case.find("error")) if p is not None]
                 if problems:
                     failed.append(case.get("name", "?"))
-                    texts.append(f"--- {failed[-1]}:\n{failing_line(problems[0].text or '')}")
+                    line = failing_line(problems[0].text or "")[-ERROR_CHARS:]
+                    texts.append(f"--- {failed[-1]}:\n{line}")
         ok = done.returncode == 0
         if ok:
             return ok, failed, seconds, ""
         return ok, failed, seconds, "\n".join(texts) or (done.stdout + done.stderr)[-1500:]
 
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# colour codes, raw or as pytest's junit writer escapes the ESC character
+ANSI = re.compile(r"(?:\x1b|#x1B)\[[0-9;]*m")
+ARROW = re.compile(r"\s*-*> \d")  # IPython's mark of the failing line: "----> 3", "--> 120"
+ERROR_CHARS = 1500  # per failing cell, as much as the whole tail was before
 
 
 def failing_line(text: str, context: int = 6) -> str:
-    """The lines around nbval's ``---->`` mark (the cell's failing line) and the error's last
-    line, without colour codes: enough to tell which assert of a cell went red."""
+    """The lines around IPython's arrow (the cell's failing line) and the error's last line,
+    without colour codes: enough to tell which assert of a cell went red."""
     lines = ANSI.sub("", text).splitlines()
-    marks = [i for i, line in enumerate(lines) if line.lstrip().startswith("--->")]
+    marks = [i for i, line in enumerate(lines) if ARROW.match(line)]
     if not marks:
         return "\n".join(lines[-context:])
     i = marks[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -72,13 +73,21 @@ def test_a_changed_notebook_starts_over(bench, tmp_path, monkeypatch, capsys):
 
 
 def test_a_red_cell_is_kept_as_its_failing_line_without_colour(bench):
+    from _pytest.junitxml import bin_xml_escape
+
     nbval = (
         "\x1b[0;31mAssertionError\x1b[0m   Traceback (most recent call last)\n"
         "Cell In[1], line 3\n      1 x = 1\n      2 y = 2\n"
         "\x1b[0;32m----> 3\x1b[0m assert x == y, (x, y)\n\n"
         "\x1b[0;31mAssertionError\x1b[0m: (1, 2)\n"
     )
-    kept = bench.failing_line(nbval)
-    assert "\x1b" not in kept
-    assert "----> 3 assert x == y, (x, y)" in kept and kept.endswith("AssertionError: (1, 2)")
+    failure = ET.Element("failure")
+    failure.text = bin_xml_escape(nbval)  # as pytest's junit report holds it: ESC is "#x1B"
+    from_junit = ET.fromstring(ET.tostring(failure)).text
+    for text in (nbval, from_junit):
+        kept = bench.failing_line(text)
+        assert "\x1b" not in kept and "#x1B" not in kept, kept
+        assert "----> 3 assert x == y, (x, y)" in kept and kept.endswith("AssertionError: (1, 2)")
+    deep = nbval.replace("----> 3", "--> 120").replace("line 3", "line 120")
+    assert "--> 120 assert x == y" in bench.failing_line(deep)  # IPython's arrow at line >= 100
     assert bench.failing_line("a\nb\nc", context=2) == "b\nc"  # no mark: the last lines

@@ -107,13 +107,14 @@ def test_zero1_on_gloo_takes_its_measured_broadcasts_where_the_profile_has_them(
 
 def test_fsdp_on_gloo_takes_each_units_measured_gather_where_the_profile_has_them():
     p = dataclasses.replace(profile(), gather_ms={2: (1.0, 2.0, 3.0)})  # root, block0, block1
-    got = simulate_sharded(p, "zero3", LINK, 2, backend="gloo", prefetch=False)
-    gathers = {s.name: s.end_ms - s.start_ms for s in got.spans if "all_gather" in s.name}
-    assert gathers == pytest.approx({
-        "all_gather root": 1.0, "all_gather block0": 2.0, "all_gather block1": 3.0,
-        "all_gather root (backward)": 1.0, "all_gather block0 (backward)": 2.0,
-        "all_gather block1 (backward)": 3.0,
-    })  # fmt: skip
+    for prefetch in (False, True):  # prefetch issues the gathers from other places
+        got = simulate_sharded(p, "zero3", LINK, 2, backend="gloo", prefetch=prefetch)
+        gathers = {s.name: s.end_ms - s.start_ms for s in got.spans if "all_gather" in s.name}
+        assert gathers == pytest.approx({
+            "all_gather root": 1.0, "all_gather block0": 2.0, "all_gather block1": 3.0,
+            "all_gather root (backward)": 1.0, "all_gather block0 (backward)": 2.0,
+            "all_gather block1 (backward)": 3.0,
+        }), prefetch  # fmt: skip
     # at another world size, or priced for NCCL, from the bytes as before
     for n, backend in ((4, "gloo"), (2, "nccl")):
         got = simulate_sharded(p, "zero3", LINK, n, backend=backend)
@@ -197,6 +198,10 @@ def test_calibration_is_read_back_from_rank_data():
     assert p.block_backward_ms == (4.0, 4.0) and p.root_backward_ms == (2.0, 3.0)
     assert p.optimizer_ms["zero1"] == 2.0 and p.overhead_ms["zero3"] == pytest.approx(16.0)
     assert p.broadcast_ms == {4: 7.0} and p.gather_ms == {4: (0.5, 1.0, 1.5)}
+    # two ranks: each measured collective is its slowest rank's, unit by unit
+    other = {**_rank(4, 2e-4, 1e-9), "zero1_broadcast_ms": 9.0, "gather_ms": [0.7, 0.2, 1.5]}
+    both = unit_profile_from_ranks([ranks[0], other])
+    assert both.broadcast_ms == {4: 9.0} and both.gather_ms == {4: (0.7, 1.0, 1.5)}
     ar, ag = links_from_ranks(ranks)
     for link in (ar, ag):
         assert link.alpha_s == pytest.approx(2e-4, rel=1e-6)

@@ -146,16 +146,13 @@ def _zero1_broadcast_ms(group: Any, world: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _fsdp_gather_ms(group: Any, repeats: int) -> list[float]:
-    """Median ms of each FSDP2 unit's all-gather as FSDP2 runs it, root first, then the blocks:
-    ``unshard()`` (the copy into the flat buffer, the gloo all-gather, the copy out into the
-    parameters) on the real group.
-
-    Timed per unit, like ZeRO-1's broadcasts, because on gloo it costs several times a bare
-    ``all_gather_into_tensor`` of the unit's bytes (about 1 ms against 0.2 ms per block on 2
-    ranks of this machine), so an α-β fit of the bare collective prices it far too low."""
+def _unit_gathers_ms(group: Any, repeats: int) -> list[float]:
+    """Median ms of ``unshard()`` of each FSDP2 unit on ``group``, root first, then the blocks."""
     model, _ = _wrap("zero3", sharded_model(), torch.optim.AdamW, group, per_block=True)
     units = [model, *model.blocks]
+    for unit in units:  # the first unshard also sets the unit up (lazy init, buffers)
+        unit.unshard()
+        unit.reshard()
     times: list[list[float]] = [[] for _ in units]
     for _ in range(repeats):
         for unit, unit_times in zip(units, times, strict=True):
@@ -165,6 +162,19 @@ def _fsdp_gather_ms(group: Any, repeats: int) -> list[float]:
             unit_times.append(1e3 * (time.perf_counter() - t0))
             unit.reshard()
     return [statistics.median(t) for t in times]
+
+
+def _fsdp_gather_ms(group: Any, alone: Any, repeats: int) -> list[float]:
+    """Median ms of each FSDP2 unit's all-gather as FSDP2 runs it, root first, then the blocks:
+    ``unshard()`` (the copy into the flat buffer, the gloo all-gather, the copy out into the
+    parameters) on the real group, less the same on a group of this rank alone, whose work the
+    wrapper's overhead (``alone_ms``) already holds.
+
+    Timed per unit, like ZeRO-1's broadcasts, because on gloo it costs two to four times what
+    the α-β fit of a bare ``all_gather_into_tensor`` of the unit's bytes gives."""
+    real = _unit_gathers_ms(group, repeats)
+    own = _unit_gathers_ms(alone, repeats)
+    return [max(0.0, r - o) for r, o in zip(real, own, strict=True)]
 
 
 def _alone_ms(method: str, alone: Any, group: Any, repeats: int) -> float:
@@ -225,7 +235,7 @@ def unit_profile(
     if world > 1:
         optimizer_ms = {"zero1": _zero1_optimizer_ms(group, world, repeats)}
         zero1_broadcast_ms = _zero1_broadcast_ms(group, world, repeats)
-        gather_ms = _fsdp_gather_ms(group, repeats)
+        gather_ms = _fsdp_gather_ms(group, alone, repeats)
         for nbytes in COLLECTIVE_SIZES:
             for op in ("all_reduce", "all_gather"):
                 collectives.append((op, nbytes, _collective_ms(op, nbytes, world, group, repeats)))

@@ -170,8 +170,9 @@ def _fsdp_gather_ms(group: Any, alone: Any, repeats: int) -> list[float]:
     parameters) on the real group, less the same on a group of this rank alone, whose work the
     wrapper's overhead (``alone_ms``) already holds.
 
-    Timed per unit, like ZeRO-1's broadcasts, because on gloo it costs two to four times what
-    the α-β fit of a bare ``all_gather_into_tensor`` of the unit's bytes gives."""
+    Timed per unit, like ZeRO-1's broadcasts, because on gloo it costs more than the α-β fit of
+    a bare ``all_gather_into_tensor`` of the unit's bytes gives (1.2 to 2.7 times in
+    ``benchmarks/sharded_vs_sim.py``'s runs on this machine)."""
     real = _unit_gathers_ms(group, repeats)
     own = _unit_gathers_ms(alone, repeats)
     return [max(0.0, r - o) for r, o in zip(real, own, strict=True)]

@@ -27,8 +27,8 @@ Prices, from a :class:`~dplab.sim.link.Link` or :class:`~dplab.sim.fabric.Fabric
 half an all-reduce of S, (N−1)·α + (N−1)/N·S·β; ZeRO-1's broadcasts are priced as one
 all-gather of every weight. On gloo, where the profile measured them at that N, ZeRO-1's burst of
 broadcasts and each FSDP unit's all-gather (as FSDP2 runs it: copies in and out included) take
-their measured times instead: on this machine they cost about twice, and two to four times,
-what an α-β fit of the bare collective gives. Gloo has no reduce-scatter: it runs a full all-reduce
+their measured times instead: on this machine both cost more than an α-β fit of the bare
+collective gives (docs/benchmarks.md, "Sharded step"). Gloo has no reduce-scatter: it runs a full all-reduce
 (``backend="gloo"`` prices it so).
 
 The compute comes from :class:`UnitProfile`: measured on real ranks by

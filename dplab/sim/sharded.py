@@ -28,8 +28,8 @@ half an all-reduce of S, (N−1)·α + (N−1)/N·S·β; ZeRO-1's broadcasts are
 all-gather of every weight. On gloo, where the profile measured them at that N, ZeRO-1's burst of
 broadcasts and each FSDP unit's all-gather (as FSDP2 runs it: copies in and out included) take
 their measured times instead: on this machine both cost more than an α-β fit of the bare
-collective gives (docs/benchmarks.md, "Sharded step"). Gloo has no reduce-scatter: it runs a full all-reduce
-(``backend="gloo"`` prices it so).
+collective gives (docs/benchmarks.md, "Sharded step"). Gloo has no reduce-scatter: it runs a
+full all-reduce (``backend="gloo"`` prices it so).
 
 The compute comes from :class:`UnitProfile`: measured on real ranks by
 :func:`dplab.sharding.unit_profile.unit_profile` and read with :func:`unit_profile_from_ranks`,

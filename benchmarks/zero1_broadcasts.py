@@ -4,7 +4,7 @@
 owns it, all issued at once (``async_op=True``) and waited for together. This times, on 2 and 4
 gloo ranks of this machine, single broadcasts of a few sizes (a barrier before each) and that
 burst for the GPT's 29 parameters, in torch's owners and order
-(:func:`dplab.sharding.unit_profile.zero1_broadcast_burst`). If the burst took about one
+(:func:`dplab.sharding.unit_profile.zero1_broadcast_ms`). If the burst took about one
 transfer of every weight, the simulator could price it as one all-gather; if it took the sum of
 the single ones, as many latencies. It takes neither, which is why the unit profile times the
 burst whole (``UnitProfile.broadcast_ms``).
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import dplab
 from dplab.env import machine_info
 from dplab.sharding.ranks import sharded_model
-from dplab.sharding.unit_profile import zero1_broadcast_burst
+from dplab.sharding.unit_profile import zero1_broadcast_ms
 
 OUT = Path(__file__).resolve().parents[1] / "assets" / "zero1_broadcasts.json"
 SIZES = (4096, 65536, 262144, 1048576)
@@ -48,15 +48,8 @@ def burst_vs_single(group_size: int, repeats: int = 9) -> dict | None:
             dist.broadcast(t, src=0, group=group)
             times.append(1e3 * (time.perf_counter() - t0))
         out[str(nbytes)] = statistics.median(times)
-    params = list(sharded_model().parameters())
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        zero1_broadcast_burst(params, group_size, group)
-        times.append(1e3 * (time.perf_counter() - t0))
-    out["burst"] = statistics.median(times)
-    out["count"] = len(params)
+    out["burst"] = zero1_broadcast_ms(group, group_size, repeats)
+    out["count"] = len(list(sharded_model().parameters()))
     return out
 
 

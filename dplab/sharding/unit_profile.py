@@ -12,7 +12,7 @@ taken here on the same ranks that run :func:`~dplab.sharding.ranks.sharded_step`
 * **the collectives at this world size:** ``all_reduce`` and ``all_gather_into_tensor`` of a
   few sizes, timed on the ranks, from which the simulator fits α and β for this machine, and
   two that gloo runs at a cost no such fit gives: ZeRO-1's burst of broadcasts and each FSDP2
-  unit's all-gather, timed whole (see :func:`_zero1_broadcast_ms`, :func:`_fsdp_gather_ms`).
+  unit's all-gather, timed whole (see :func:`zero1_broadcast_ms`, :func:`_fsdp_gather_ms`).
 
 It returns plain numbers (a dict per rank): ``dplab.sim`` reads them with
 :func:`dplab.sim.sharded.unit_profile_from_ranks` and never imports this package.
@@ -130,8 +130,8 @@ def zero1_broadcast_burst(params: list[Any], world: int, group: Any = None) -> N
         h.wait()
 
 
-def _zero1_broadcast_ms(group: Any, world: int, repeats: int) -> float:
-    """Median ms of :func:`zero1_broadcast_burst` on the GPT.
+def zero1_broadcast_ms(group: Any, world: int, repeats: int) -> float:
+    """Median ms of :func:`zero1_broadcast_burst` on the GPT, a barrier before each.
 
     Timed whole, like the optimizer, because on gloo the burst is no sum of broadcasts timed
     alone (``benchmarks/zero1_broadcasts.py``), and an α-β fit of single broadcasts predicted
@@ -232,10 +232,10 @@ def unit_profile(
     timed = [_timed_step(model, opt, x, y, group) for _ in range(warmup + steps)][warmup:]
     block_bytes = [sum(4 * p.numel() for p in b.parameters()) for b in model.blocks]
     total = sum(4 * p.numel() for p in model.parameters())
-    collectives, optimizer_ms, zero1_broadcast_ms, gather_ms = [], {}, None, None
+    collectives, optimizer_ms, burst_ms, gather_ms = [], {}, None, None
     if world > 1:
         optimizer_ms = {"zero1": _zero1_optimizer_ms(group, world, repeats)}
-        zero1_broadcast_ms = _zero1_broadcast_ms(group, world, repeats)
+        burst_ms = zero1_broadcast_ms(group, world, repeats)
         gather_ms = _fsdp_gather_ms(group, alone, repeats)
         for nbytes in COLLECTIVE_SIZES:
             for op in ("all_reduce", "all_gather"):
@@ -249,7 +249,7 @@ def unit_profile(
         "tensor_bytes": [4 * p.numel() for p in model.parameters()],
         "collectives": collectives,
         "optimizer_ms": optimizer_ms,
-        "zero1_broadcast_ms": zero1_broadcast_ms,
+        "zero1_broadcast_ms": burst_ms,
         "gather_ms": gather_ms,
         "alone_ms": alone_ms,
     }

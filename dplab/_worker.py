@@ -70,25 +70,43 @@ def _exit_with_parent(parent_pid: int, lifeline_fd: int, logdir: str) -> None:
     its ranks when that thread ended, and its SIGKILL left the log folder behind.
     """
 
-    def orphaned() -> None:
-        shutil.rmtree(logdir, ignore_errors=True)
-        os._exit(1)
-
     def lifeline() -> None:
         try:
             while os.read(lifeline_fd, 1):
                 pass
         except OSError:
             pass
-        orphaned()
+        _exit_as_orphan(logdir)
 
     def poll() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.5)
-        orphaned()
+        _exit_as_orphan(logdir)
 
     threading.Thread(target=lifeline, daemon=True, name="dplab-lifeline").start()
     threading.Thread(target=poll, daemon=True, name="dplab-parent-watch").start()
+
+
+def _exit_as_orphan(logdir: str) -> None:
+    shutil.rmtree(logdir, ignore_errors=True)
+    os._exit(1)
+
+
+def _exit_on_lost_connection(parent_pid: int, logdir: str, within_s: float = 2.0) -> None:
+    """The caller's end of the connection closed: exit, and clean up if the caller died.
+
+    A killed caller closes its files before the kernel hands its children to a new parent, so
+    the EOF can arrive while ``getppid()`` still names the dead caller; wait briefly for the
+    handover. Exiting at once left the log folder behind whenever every rank saw the EOF before
+    its watcher threads ran (2 abrupt exits in 15 with a CPU hog). A live caller that closed the
+    connection has killed the rank or is about to, and removes the folder itself.
+    """
+    deadline = time.monotonic() + within_s
+    while os.getppid() == parent_pid and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if os.getppid() != parent_pid:
+        _exit_as_orphan(logdir)
+    os._exit(1)
 
 
 def _group_position(fn: Callable) -> int | None:
@@ -207,7 +225,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(sys.argv[1]))
     logdir = os.environ["DPLAB_LOGDIR"]
-    _exit_with_parent(int(os.environ["DPLAB_PARENT_PID"]), int(sys.argv[2]), logdir)
+    parent_pid = int(os.environ["DPLAB_PARENT_PID"])
+    _exit_with_parent(parent_pid, int(sys.argv[2]), logdir)
     # The parent sends SIGUSR1 to learn where a stuck rank is: the stacks go to our log.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -225,7 +244,7 @@ def main() -> None:
         try:
             message = conn.recv_bytes()
         except (EOFError, OSError):
-            os._exit(1)
+            _exit_on_lost_connection(parent_pid, logdir)
         if message == STOP:
             break
         _, call_id = CALL_HEADER.unpack_from(message)

@@ -347,6 +347,29 @@ def test_an_abrupt_exit_leaves_no_rank_and_no_log_folder():
     assert _wait_until(lambda: not os.path.exists(logdir), 10.0), f"{logdir} was left behind"
 
 
+LOST_CONNECTION = textwrap.dedent(
+    """
+    import os, sys
+    from dplab._worker import _exit_on_lost_connection
+    _exit_on_lost_connection(int(sys.argv[1]), sys.argv[2], within_s=0.2)
+    """
+)
+
+
+@pytest.mark.parametrize("caller_alive", [True, False])
+def test_a_rank_that_loses_its_connection_removes_the_log_folder_only_if_the_caller_died(
+    tmp_path, caller_alive
+):
+    # The rank's main thread sees the EOF first when every rank is waiting for a call; exiting
+    # there without removing the folder left it behind after a SIGKILL (CI, 2026-12-02).
+    logdir = tmp_path / "ranks"
+    logdir.mkdir()
+    caller = os.getpid() if caller_alive else os.getpid() + 10**6  # no process has that pid
+    code = subprocess.run([sys.executable, "-c", LOST_CONNECTION, str(caller), str(logdir)])
+    assert code.returncode == 1
+    assert logdir.exists() == caller_alive
+
+
 IPYTHON = textwrap.dedent(
     """
     import json, os

@@ -122,6 +122,10 @@ def test_fsdp_on_gloo_takes_each_units_measured_gather_where_the_profile_has_the
         assert got.step_ms == pytest.approx(plain.step_ms)
     with pytest.raises(ValueError, match=r"gather_ms\[2\] needs the root's and each of the 2"):
         dataclasses.replace(profile(), gather_ms={2: (1.0, 2.0)})
+    for name, value in (("gather_ms", (1.0, 2.0, 3.0)), ("broadcast_ms", 5.0)):
+        for world in (1, 2.0, True):  # one rank sends nothing; a key is a whole world size
+            with pytest.raises(ValueError, match=rf"{name} is keyed by .* got key {world!r}"):
+                dataclasses.replace(profile(), **{name: {world: value}})
 
 
 @pytest.mark.parametrize(

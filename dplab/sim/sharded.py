@@ -117,6 +117,13 @@ class UnitProfile:
         ):
             for v in getattr(self, name):
                 check_nonneg(name, v)
+        for name in ("broadcast_ms", "gather_ms"):
+            for world in getattr(self, name):
+                if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+                    raise ValueError(
+                        f"{name} is keyed by world sizes of 2 ranks or more (one rank sends "
+                        f"nothing), got key {world!r}"
+                    )
         for v in self.broadcast_ms.values():
             check_nonneg("broadcast_ms", v)
         for world, units in self.gather_ms.items():

@@ -42,6 +42,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its new parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _wait_until(condition, timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -336,14 +345,7 @@ def test_an_abrupt_exit_leaves_no_rank_and_no_log_folder():
     logdir, pids = out[0], [int(p) for p in out[1:]]
     assert logdir.startswith(tempfile.gettempdir())
 
-    def gone(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            return True
-
-    assert _wait_until(lambda: all(gone(p) for p in pids), 10.0)
+    assert _wait_until(lambda: all(_gone(p) for p in pids), 10.0)
     assert _wait_until(lambda: not os.path.exists(logdir), 10.0), f"{logdir} was left behind"
 
 
@@ -351,23 +353,44 @@ LOST_CONNECTION = textwrap.dedent(
     """
     import os, sys
     from dplab._worker import _exit_on_lost_connection
-    _exit_on_lost_connection(int(sys.argv[1]), sys.argv[2], within_s=0.2)
+    print("waiting", flush=True)
+    _exit_on_lost_connection(int(sys.argv[1]), sys.argv[2], within_s=float(sys.argv[3]))
+    """
+)
+# A caller that dies while its rank is already waiting for it to be gone.
+DYING_CALLER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    args = [sys.executable, "-c", sys.argv[1], str(os.getpid()), sys.argv[2], "10"]
+    rank = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert rank.stdout.readline() == "waiting\\n"
+    print(rank.pid, flush=True)
+    time.sleep(0.3)
+    os._exit(0)
     """
 )
 
 
-@pytest.mark.parametrize("caller_alive", [True, False])
-def test_a_rank_that_loses_its_connection_removes_the_log_folder_only_if_the_caller_died(
-    tmp_path, caller_alive
+def test_a_rank_that_loses_its_connection_to_a_live_caller_keeps_the_log_folder(tmp_path):
+    logdir = tmp_path / "ranks"
+    logdir.mkdir()  # the caller (this process) is alive: it removes the folder itself
+    args = [sys.executable, "-c", LOST_CONNECTION, str(os.getpid()), str(logdir), "0.2"]
+    assert subprocess.run(args, capture_output=True).returncode == 1
+    assert logdir.exists()
+
+
+def test_a_rank_that_sees_the_eof_before_its_caller_is_gone_still_removes_the_log_folder(
+    tmp_path,
 ):
-    # The rank's main thread sees the EOF first when every rank is waiting for a call; exiting
-    # there without removing the folder left it behind after a SIGKILL (CI, 2026-12-02).
+    # A killed caller's connection closes before the kernel gives its ranks a new parent, so a
+    # rank that exited at the EOF left the folder behind (CI, 2026-12-02). Here the rank is
+    # already waiting while getppid() still names its caller, which then exits.
     logdir = tmp_path / "ranks"
     logdir.mkdir()
-    caller = os.getpid() if caller_alive else os.getpid() + 10**6  # no process has that pid
-    code = subprocess.run([sys.executable, "-c", LOST_CONNECTION, str(caller), str(logdir)])
-    assert code.returncode == 1
-    assert logdir.exists() == caller_alive
+    args = [sys.executable, "-c", DYING_CALLER, LOST_CONNECTION, str(logdir)]
+    rank = int(subprocess.run(args, capture_output=True, text=True, timeout=60).stdout)
+    assert _wait_until(lambda: _gone(rank), 10.0)
+    assert not logdir.exists()
 
 
 IPYTHON = textwrap.dedent(

@@ -459,3 +459,22 @@ def test_a_user_created_nccl_group_still_puts_each_rank_on_its_own_gpu(monkeypat
     assert dplab.launch(lambda: str(dplab.device()), 2) == ["cuda:1", "cuda:1"]
     assert chosen == [1]
     assert len(barriers) == 1  # after the gather: see launch._run_in_place
+
+
+def _echo_timeout(*, timeout_s):
+    return timeout_s
+
+
+def _echo_keywords(**kwargs):
+    return sorted(kwargs)
+
+
+def test_run_with_timeout_s_for_a_function_without_it_points_to_run_within(cluster2):
+    with pytest.raises(TypeError, match=r"run_within\(5, fn, \.\.\.\)") as info:
+        cluster2.run(dist.get_rank, timeout_s=5)
+    assert "'get_rank'" in str(info.value)
+    assert cluster2.run(dist.get_rank) == [0, 1]  # nothing was sent: the pool is as it was
+    # a function that takes the keyword gets it, as every other keyword
+    assert cluster2.run(_echo_timeout, timeout_s=5) == [5, 5]
+    assert cluster2.run(_echo_keywords, timeout_s=5) == [["timeout_s"]] * 2
+    assert cluster2.run_within(30, _echo_timeout, timeout_s=5) == [5, 5]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import itertools
 import mmap
 import multiprocessing.connection as mpc
@@ -67,6 +68,19 @@ def _describe_exit(code: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
+
+
+def _takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts ``name=`` (true when its signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in params
+    )
 
 
 def _remove_stale_logdirs() -> None:
@@ -360,11 +374,21 @@ class Cluster:
 
     # -- running --------------------------------------------------------------------------------
 
-    def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results indexed by rank."""
-        return self.run_within(self.timeout_s, fn, *args, **kwargs)
+    def run(self, fn: Callable, /, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results indexed by rank.
 
-    def run_within(self, timeout_s: float, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
+        Every keyword goes to ``fn``; a deadline for this call alone is :meth:`run_within`'s.
+        """
+        if "timeout_s" in kwargs and not _takes_keyword(fn, "timeout_s"):
+            raise TypeError(
+                f"Cluster.run passes every keyword to {getattr(fn, '__name__', fn)!r}, which "
+                f"takes no timeout_s; for a deadline on this call, use "
+                f"cluster.run_within({kwargs['timeout_s']!r}, fn, ...)"
+            )
+        with self._lock:
+            return self._run(self.timeout_s, fn, args, kwargs)
+
+    def run_within(self, timeout_s: float, fn: Callable, /, *args: Any, **kwargs: Any) -> list[Any]:
         """:meth:`run` with its own deadline (a checker bounds a learner's code by its own time).
 
         Past ``timeout_s`` the ranks are stopped (:class:`RankTimeout`), as at the pool's.

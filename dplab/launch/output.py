@@ -6,12 +6,20 @@ So each rank's output is capped per call: the first ``OUTPUT_CAP_BYTES`` are sho
 dropped with one line saying how much. While a call runs, the caller trims a log that grows past
 the cap (the rank writes with O_APPEND, so after a truncation it writes at the new end), which
 bounds the disk the log takes to about the cap plus what a rank writes between two looks.
+
+One kind of line is kept in the log but not relayed: the USDT probe markers torch's profiler
+(Kineto) prints to stderr each time it starts and stops, ``USDT:<time> <pid>:<tid>
+SyncActivityProfilerHandler.cpp:52] profiler_start``. A traced run starts a profiler on every
+rank, so a lesson's cell would show a red block of them that says nothing to a learner.
+``KINETO_LOG_LEVEL`` hides them only when set past every level it has (6 with torch 2.13), which
+would hide whatever else Kineto has to say.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from typing import TextIO
 
@@ -19,6 +27,7 @@ from dplab._units import MIB
 
 OUTPUT_CAP_BYTES = 2 * MIB  # per rank and call
 TAIL_BYTES = 64 * 1024  # what a dead rank's last lines are read from
+PROFILER_MARKER = re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$")  # Kineto's, see above
 
 
 class RankOutput:
@@ -68,7 +77,8 @@ class RankOutput:
             data, self._held = self._held + self._take(), b""
             stream = stream or sys.stderr
             for line in data.decode(errors="replace").splitlines():
-                print(f"[rank {self.rank}] {line}", file=stream)
+                if not PROFILER_MARKER.match(line):
+                    print(f"[rank {self.rank}] {line}", file=stream)
             if self._dropped:
                 print(
                     f"[rank {self.rank}] … {self._dropped / 1e6:.1f} MB of output dropped (each "

@@ -14,7 +14,7 @@ import nbformat
 from tests.mutation_harness import Mutation, lesson_cells
 
 NAME = "failures"
-LESSON = "08e_when_dp_goes_wrong.ipynb"
+LESSON = "08d_when_dp_goes_wrong.ipynb"
 SETUP, CLOSE = "e-01", "e-110"
 
 MUTATIONS = [

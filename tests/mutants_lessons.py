@@ -35,7 +35,7 @@ LESSON_CELLS = {
         "5b9e2f47", "c8f06a1d",  # §2: overlap by its definition, on a comms-bound model
         "4ca31f54", "7a523b33",  # §4: the exposed last bucket
     ],
-    "08a_torch_ddp_as_it_is.ipynb": [
+    "08b_torch_ddp_as_it_is.ipynb": [
         "s8c-01",  # imports, the pool
         "s8a-rank0",  # the rebuild takes rank 0's order, whatever each rank saw
         "s8a-group",  # DDP averages over its own process group

@@ -29,6 +29,7 @@ from dplab.sim.engine import (
 from dplab.sim.fabric import GPUS, Fabric, overlap_contention, with_straggler
 from dplab.sim.fabric import PRESETS as FABRIC_PRESETS
 from dplab.sim.link import LINK_NAMES, PRESETS, Link, get_link, loopback_link
+from dplab.sim.measured_link import FIT_SIZES, measure_link
 from dplab.sim.nccl_model import Calibration
 from dplab.sim.nccl_tests import parse_nccl_tests
 from dplab.sim.profile import (
@@ -45,6 +46,7 @@ from dplab.sim.validation import BandError, validation_bands
 
 __all__ = [
     "FABRIC_PRESETS",
+    "FIT_SIZES",
     "GPUS",
     "LINK_NAMES",
     "PRESETS",
@@ -64,6 +66,7 @@ __all__ = [
     "faster_compute",
     "get_link",
     "loopback_link",
+    "measure_link",
     "measure_profile",
     "merge_runs",
     "overlap_contention",

@@ -162,7 +162,7 @@ def _cap_name(cap_mb: float) -> str:
 
 def _measured(folder: Path) -> float:
     """The doctor's reading of a run's own trace: median exposure over its profiled steps."""
-    from dplab.sim.doctor import measured_steps
+    from dplab.doctor import measured_steps
     from dplab.trace.profiler import from_profiler
 
     return statistics.median(m.exposed_ms for m in measured_steps(from_profiler(folder)))
@@ -186,7 +186,7 @@ def main() -> None:
     if args.worker:
         worker(args.out, args.caps.split(","), args.trials, args.steps, args.seed)
         return
-    from dplab.sim.doctor import diagnose
+    from dplab.doctor import diagnose
 
     if args.report:
         runs = Path(args.report) / "runs"
@@ -216,7 +216,7 @@ def main() -> None:
 
 def report(runs: Path, caps: list[float], names: list[str], trials: int) -> None:
     """Predicted (from each trial's default-cap trace) against realized (each cap's own run)."""
-    from dplab.sim.doctor import diagnose
+    from dplab.doctor import diagnose
     from dplab.trace.profiler import from_profiler
 
     predicted: dict[str, list[float]] = {n: [] for n in names}

@@ -1,4 +1,4 @@
-"""The bucket doctor (``dplab.sim.doctor``, ``python -m dplab doctor``) on real torch DDP traces.
+"""The bucket doctor (``dplab.doctor``, ``python -m dplab doctor``) on real torch DDP traces.
 
 One launch of 2 gloo ranks records torch's own DistributedDataParallel under torch.profiler:
 a small GPT at an explicit cap and at torch's default, a small MLP for the CLI, and the same
@@ -104,8 +104,8 @@ def test_profile_cuts_torchs_buckets_and_the_cap_is_read_right(recorded):
     """The profile derived from the trace, planned at the job's cap, gives exactly the buckets
     torch's reducer built; an explicit cap is inferred as one that cuts them, and a job that
     left the cap to torch is said to run at torch's default."""
+    from dplab.doctor import diagnose, first_cap, profile_from_trace
     from dplab.sim import plan_buckets
-    from dplab.sim.doctor import diagnose, first_cap, profile_from_trace
 
     out, logging = recorded
     runs = _parsed(out / "gpt-explicit")
@@ -130,7 +130,7 @@ def test_profile_cuts_torchs_buckets_and_the_cap_is_read_right(recorded):
 def test_the_advice_follows_its_rules_and_its_interval(recorded):
     """Typed rows, the sweep's best cap, and advice only when trusted and the whole interval
     of the realized gain is above zero (else the recommendation says why not)."""
-    from dplab.sim.doctor import BucketRow, CapRow, StepRow, diagnose
+    from dplab.doctor import BucketRow, CapRow, StepRow, diagnose
 
     out, _ = recorded
     d = diagnose(_parsed(out / "gpt-explicit"))
@@ -159,7 +159,7 @@ def test_the_advice_follows_its_rules_and_its_interval(recorded):
 def test_the_slowed_rank_is_named_with_its_lag(recorded):
     """Rank 1 slept SLEEP_MS in every backward: it waits least, and the other waits about
     SLEEP_MS more (± half of it: the box's own noise between two ranks is milliseconds)."""
-    from dplab.sim.doctor import diagnose, find_straggler
+    from dplab.doctor import diagnose, find_straggler
 
     out, _ = recorded
     runs = _parsed(out / "straggler")
@@ -173,7 +173,7 @@ def test_the_slowed_rank_is_named_with_its_lag(recorded):
 
 
 def test_even_ranks_name_no_straggler(recorded):
-    from dplab.sim.doctor import diagnose, find_straggler
+    from dplab.doctor import diagnose, find_straggler
 
     out, _ = recorded
     runs = _parsed(out / "even")
@@ -203,8 +203,8 @@ def test_default_cap_is_recognised_from_the_sizes_alone():
     """torch cut its default buckets in its first iteration's order, which a profiled step
     need not repeat: the check is on sizes (each bucket reached its cap, and went past it by
     less than the largest gradient), not on one order."""
+    from dplab.doctor import consistent_with_default, infer_cap
     from dplab.sim import BackwardProfile, ParamTiming
-    from dplab.sim.doctor import consistent_with_default, infer_cap
 
     mib = 1024 * 1024
     sizes = [mib // 4] * 12 + [mib // 16]  # 3.06 MiB of 0.25 MiB gradients and a small one

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import dplab
+from dplab.doctor import find_straggler
 from dplab.failures import (
     PLACEMENTS,
     compiled_ddp,
@@ -30,7 +31,6 @@ from dplab.failures import (
     unused_parameters,
 )
 from dplab.failures._common import MAX_WAIT_S, check_wait
-from dplab.sim.straggler import find_straggler
 from tests.conftest import child_pids
 
 

@@ -44,7 +44,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Path, Any]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from dplab.sim.doctor import diagnose
+    from dplab.doctor import diagnose
     from dplab.trace.files import write_atomic
     from dplab.trace.profiler import from_profiler
     from dplab.viz.timeline import timeline_figure

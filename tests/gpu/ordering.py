@@ -193,7 +193,10 @@ def run_variant(
 ) -> float:
     """dplab.DDP (this rank's world, e.g. 1) with the stand-in hook: the largest parameter
     difference from :func:`reference_params` after ``steps`` steps."""
-    ddp = stand_in_ddp(streams, variant, sleep_ms, slow_backward_ms=sleep_ms)
+    # The slow backward outlasts the stand-in's own sleep, so a side stream that does not wait
+    # scales the first layer's bucket while its gradients are still being made: with equal
+    # sleeps (the first H200 run, 2026-12-04) the two finished together and the control was blind.
+    ddp = stand_in_ddp(streams, variant, sleep_ms, slow_backward_ms=3 * sleep_ms)
     model = ddp.module
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     for x, y in make_batches(steps):

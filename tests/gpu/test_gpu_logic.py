@@ -108,3 +108,11 @@ def test_script_reports_a_failed_check_and_exits_non_zero(tmp_path):
     assert list(report["checks"]) == ["check_memory_on_gpu"]
     assert report["checks"]["check_memory_on_gpu"]["ok"] is False
     assert "needs a CUDA GPU" in report["checks"]["check_memory_on_gpu"]["error"]
+
+
+def test_memory_checks_formula_reads_the_measured_models_shape():
+    from dplab.memory.activations import gpt_activation_bytes
+    from tests.gpu.check_memory import GPT_KWARGS, MICRO_BATCH, SEQ_LEN, korthikanti_bytes
+
+    want = gpt_activation_bytes(SEQ_LEN, MICRO_BATCH, 1024, 16, 8)
+    assert GPT_KWARGS["d_model"] == 1024 and korthikanti_bytes() == want

@@ -55,6 +55,7 @@ from dplab.ddp.buckets import (
     DEFAULT_FIRST_BUCKET_CAP_MB,
     torch_first_bucket_cap,
 )
+from dplab.doctor.budget import Budget, step_budgets
 from dplab.doctor.from_trace import (
     MEDIAN_SE,
     BucketRow,
@@ -63,6 +64,7 @@ from dplab.doctor.from_trace import (
     by_step,
     job_links,
     measured_steps,
+    prior_link,
     profile_from_trace,
     simulate_lanes,
 )
@@ -86,6 +88,10 @@ TRUST_SHARE, TRUST_MS = 0.30, 1.0  # the model must reproduce the job's own cap 
 
 
 def _sizes(trace: StepTrace) -> list[int]:
+    """The buckets' gradient bytes (what torch's cap counts; a comm hook may send fewer)."""
+    held = trace.meta.get("bucket_grad_bytes")
+    if held and all(x is not None for x in held):
+        return [int(x) for x in held]
     return [b.nbytes for b in sorted(trace.buckets, key=lambda b: b.index)]
 
 
@@ -136,6 +142,13 @@ def infer_cap(
     return fits[-1], first_cap(fits[-1]), (fits[0], fits[-1])
 
 
+def one_bucket_cap(profile: BackwardProfile) -> float:
+    """The smallest cap tried (E12 caps and the gradients' total) whose explicit plan puts
+    every gradient in one bucket: every cap above it does too."""
+    tried = sorted({*candidate_caps(profile), profile.total_bytes / MIB})
+    return next(c for c in tried if len(_plan_sizes(profile, c, c)) == 1)
+
+
 def _current_cap(
     profile: BackwardProfile,
     observed: list[int],
@@ -148,6 +161,13 @@ def _current_cap(
         cap, first, (lo, hi) = infer_cap(profile, observed)
         if lo == hi == DEFAULT_BUCKET_CAP_MB:
             return cap, first, "inferred: torch's default"
+        if len(observed) == 1:
+            # every cap from lo up gives this bucket: no one of them is "the" job's cap
+            return (
+                cap,
+                first,
+                "inferred: an explicit cap (torch's default cuts a 1 MiB first bucket)",
+            )
         return (
             cap,
             first,
@@ -225,6 +245,35 @@ class Diagnosis:
     sweep: list[CapRow] = field(default_factory=list)
     simulated_best: StepTrace | None = None
     simulated_current: StepTrace | None = None
+    budget: Budget | None = None
+    one_bucket_mb: float | None = None  # when one bucket holds every gradient: any cap ≥ this
+    nccl: bool = False  # read on the NCCL (GPU) path, which no GPU run has verified yet
+    sent_share: float = 1.0  # bytes the all-reduces sent over the gradients' (a hook compresses)
+
+    @property
+    def cap_advised(self) -> bool:
+        """Whether the summary advises a cap: the what-if recommends one (``recommend``) and
+        the exposed communication is the largest part of the step (a cap moves only that)."""
+        return self.recommend and (self.budget is None or self.budget.comms_bound)
+
+    def _cap(self) -> str:
+        """The job's cap in the user's words (what they set, or what the buckets allow)."""
+        if self.one_bucket_mb is not None and self.cap_source.startswith("inferred"):
+            default = "torch's default or " if self.cap_source.endswith("default") else ""
+            return f"{default}any cap ≥ {self.one_bucket_mb:.3g} MiB"
+        return f"{self.current_cap_mb:.3g} MiB"
+
+    def cap_words(self) -> str:
+        """The job's cap and where it was read, for the summary's first line."""
+        if self.one_bucket_mb is None:
+            return f"bucket cap {self.current_cap_mb:.3g} MiB ({self.cap_source})"
+        if self.cap_source.startswith("inferred"):
+            return f"one bucket holds every gradient: {self._cap()} ({self.cap_source})"
+        return (
+            f"bucket cap {self.current_cap_mb:.3g} MiB ({self.cap_source}); one bucket holds "
+            f"every gradient: any cap ≥ {self.one_bucket_mb:.3g} MiB, "
+            f"{self.current_cap_mb:.3g} included"
+        )
 
     @property
     def measured_exposed(self) -> Spread:
@@ -251,14 +300,14 @@ class Diagnosis:
         lo, hi = self.gain_interval
         if not self.trusted:
             return (
-                f"no advice: the model misses the job's own cap ({self.current_cap_mb:.3g} MiB) "
+                f"no advice: the model misses the job's own cap ({self._cap()}) "
                 f"by {self.model_miss_ms:.2f} ms (predicted {self.predicted_current.median:.2f}, "
                 f"measured {self.measured_exposed.median:.2f} ms), more than "
                 f"{TRUST_SHARE:.0%} or {TRUST_MS:g} ms: its what-if cannot be trusted here"
             )
         if not self.recommend:
             return (
-                f"keep the cap ({self.current_cap_mb:.3g} MiB): the best cap tried, "
+                f"keep the cap ({self._cap()}): the best cap tried, "
                 f"{self.best_cap_mb:.3g} MiB, would gain {self.gain.median:.2f} ms per step, "
                 f"but a re-run could realize anything from {lo:.2f} to {hi:.2f} ms: within the "
                 f"noise (a step's exposure varies by ± {self.noise_ms:.2f} ms in a median of "
@@ -276,9 +325,20 @@ class Diagnosis:
     def summary(self) -> str:
         lines = [
             f"{self.world_size} ranks ({self.backend}), profiled steps {self.steps}, "
-            f"bucket cap {self.current_cap_mb:.3g} MiB ({self.cap_source})",
+            + self.cap_words(),
+            "NCCL path unverified on hardware: "
+            + (
+                "this GPU trace was read by it; check its numbers against the profiler's own"
+                if self.nccl
+                else "this trace was read on the gloo (CPU) path, checked against torch's DDP"
+            ),
             f"link: {self.link.describe()}  [{self.link.source}]",
         ]
+        if not math.isclose(self.sent_share, 1.0):
+            lines.append(
+                f"comm hook: the all-reduces send {self.sent_share:.0%} of the gradients' bytes "
+                "(compressed); the link is fitted per gradient byte, so the what-if keeps the hook"
+            )
         if self.contention is not None and self.contention.alpha_factor > 1:
             lines.append(
                 f"contention: an all-reduce beside a running backward costs "
@@ -310,15 +370,28 @@ class Diagnosis:
             lines.append(
                 f"  {b.index:>6}   {b.nbytes / MIB:6.3f}   {b.n_params:>6}   {b.exposed_ms:10.2f}"
             )
-        lines += [
-            "",
+        if self.budget is not None:
+            lines += ["", *self.budget.lines()]
+        what_if = [
             f"predicted exposure at the current cap: {self.predicted_current}; measured: "
             f"{self.measured_exposed}",
             f"predicted exposure at {self.best_cap_mb:.3g} MiB: {self.predicted_best}",
-            "",
-            "recommendation: " + self.recommendation(),
         ]
-        return "\n".join(lines)
+        if self.budget is None or self.budget.comms_bound:
+            return "\n".join([*lines, "", *what_if, "", "recommendation: " + self.recommendation()])
+        largest = self.budget.largest
+        return "\n".join(
+            [
+                *lines,
+                "",
+                f"recommendation: no cap advised: {largest}, not the exposed communication, is "
+                "the largest part of the step, and a cap moves only the exposed communication",
+                "",
+                "the cap what-if (secondary):",
+                *("  " + x for x in what_if),
+                "  its advice: " + self.recommendation(),
+            ]
+        )
 
 
 def _sweep(
@@ -420,7 +493,8 @@ def diagnose(
             lanes=lanes,
         )
 
-    observed = _sizes(table[steps[-1]][0])
+    last = table[steps[-1]][0]
+    observed = _sizes(last)
     cap, first, cap_source = _current_cap(profile, observed, current_cap_mb, ddp_logging_data)
     tried = sorted(set(candidate_caps(profile) if caps is None else caps) | {cap})
     sims = [
@@ -459,6 +533,10 @@ def diagnose(
         sweep=sweep,
         simulated_best=sim(profile, best),
         simulated_current=sim(profile, cap, first),
+        budget=step_budgets(runs, get_link(link) if link else prior_link(runs[0][0].backend)),
+        one_bucket_mb=one_bucket_cap(profile) if len(observed) == 1 else None,
+        nccl=any(not t.meta.get("verified", True) for rank in runs for t in rank),
+        sent_share=sum(b.nbytes for b in last.buckets) / sum(observed),
     )
     d.recommend = best != cap and d.trusted and d.gain_interval[0] > 0
     return d

@@ -138,14 +138,23 @@ def profile_from_trace(
 
 @dataclass(frozen=True)
 class Collective:
-    """One all-reduce as the ranks saw it: its bytes, its transfer time (last rank's start to
-    the first end), and whether some rank's backward was still computing when it began."""
+    """One all-reduce as the ranks saw it: its bucket's gradient bytes, its transfer time (last
+    rank's start to the first end), and whether some rank's backward was still computing when
+    it began. ``wire_nbytes``: what it sent, fewer than ``nbytes`` when a comm hook compresses
+    (bf16: half); the link is fitted per gradient byte, so the what-if keeps the hook."""
 
     step: int
     bucket: int
     nbytes: int
     seconds: float
     busy: bool
+    wire_nbytes: int | None = None
+
+
+def grad_bytes(trace: StepTrace, bucket: int, sent: int | None) -> int | None:
+    """Bucket ``bucket``'s gradient bytes (the trace's ``bucket_grad_bytes``), else ``sent``."""
+    held = trace.meta.get("bucket_grad_bytes") or []
+    return int(held[bucket]) if bucket < len(held) and held[bucket] is not None else sent
 
 
 def _backward_end(trace: StepTrace) -> float:
@@ -174,7 +183,9 @@ def collectives(runs: Sequence[Sequence[StepTrace]]) -> list[Collective]:
             seconds = (min(e for _, e, _ in spans) - start) / 1e3
             if seconds > 0:
                 busy = start < computing_until
-                out.append(Collective(number, bucket, int(spans[0][2]), seconds, busy))
+                sent = int(spans[0][2])
+                held = grad_bytes(traces[0], bucket, sent) or sent
+                out.append(Collective(number, bucket, held, seconds, busy, sent))
     return out
 
 
@@ -201,7 +212,9 @@ def service_times(runs: Sequence[Sequence[StepTrace]]) -> list[Collective]:
             begin = max(launch, spans[k - lanes].end_ms if k >= lanes else launch)
             if s.end_ms > begin:
                 seconds = (s.end_ms - begin) / 1e3
-                out.append(Collective(number, s.bucket, s.nbytes, seconds, begin < computing_until))
+                held = grad_bytes(late, s.bucket, s.nbytes) or s.nbytes
+                busy = begin < computing_until
+                out.append(Collective(number, s.bucket, held, seconds, busy, s.nbytes))
     return out
 
 

@@ -11,10 +11,14 @@ enough to rebuild the same timeline, without touching the job:
   (``torch::autograd::AccumulateGrad``), as :class:`dplab.Tracer` ends backward with the last
   gradient; DDP's hooks run just after it, inside the engine's evaluate_function, so launching
   the last bucket belongs to the wait;
-- gradients: each ``torch::distributed::reducer::mul_out`` is the reducer copying (and dividing)
-  one gradient into its bucket, in its hook right after the gradient's accumulation, whose end
-  is the moment the gradient was ready; its recorded input (``record_shapes=True``) is the
-  gradient's shape;
+- gradients: the reducer's op on each gradient, in its hook right after the gradient's
+  accumulation (whose end is the moment the gradient was ready): ``torch::distributed::reducer::
+  mul_out`` copying and dividing it into its bucket; ``torch::distributed::reducer::copy_`` when
+  a comm hook divides instead; ``aten::div_`` when the gradient already is a view of its bucket
+  (``gradient_as_bucket_view=True`` with gradients kept between steps): reducer.cpp's
+  ``mark_variable_ready_dense``. Its recorded input (``record_shapes=True``) is the gradient's
+  shape; buckets are matched to gradients by element count, so a hook that sends fewer bytes
+  (bf16 compression) still finds its gradients;
 - ``allreduce``: on CPU the ``gloo:all_reduce`` range on a gloo worker thread (from when a worker
   started it: the start the Tracer draws), matched in order to the ``c10d::allreduce_`` launch
   on the training thread, and ending where the range ends unless the training thread proves it
@@ -55,13 +59,12 @@ from dplab.trace.kineto import events_of as _events
 from dplab.trace.kineto import launch_numel as _launch_numel
 from dplab.trace.kineto import logged_bucket_sizes as _logged_bucket_sizes
 from dplab.trace.kineto import numel as _numel
+from dplab.trace.reducer_ops import ACCUMULATED, reducer_ops
 from dplab.trace.step import Span, StepTrace
 
 STEP_PREFIX = "ProfilerStep#"
 FORWARD = "DistributedDataParallel.forward"
 AUTOGRAD_PREFIX = "autograd::engine::evaluate_function: "
-ACCUMULATED = "torch::autograd::AccumulateGrad"
-GRAD_READY = "torch::distributed::reducer::mul_out"
 COPY_BACK = "torch.distributed.ddp.reducer::copy_bucket_to_grad"
 OPTIMIZER_PREFIX = "Optimizer.step#"
 ALLREDUCE_LAUNCH = "c10d::allreduce_"
@@ -187,7 +190,7 @@ def _rank_events(label: str, events: list[_Event], forward_name: str) -> _RankEv
         gpu=_GpuTimes(events) if gpu else None,
         autograd=[e for e in events if e.name.startswith(AUTOGRAD_PREFIX)],
         accumulations=_accumulations(events, launches),
-        grads=[e for e in events if e.name == GRAD_READY],
+        grads=reducer_ops(events),
         copies=[e for e in events if e.name == COPY_BACK],
         optimizers=[e for e in events if e.name.startswith(OPTIMIZER_PREFIX)],
     )
@@ -328,12 +331,20 @@ def _on_gpu_clock(raw: _RawStep, times: _GpuTimes) -> _RawStep:
     )
 
 
-def _bucket_sizes(raw: _RawStep, logged: list[int] | None) -> tuple[list[int], str]:
-    sizes: list[int | None] = []
+def _bucket_numels(raw: _RawStep) -> list[int | None]:
+    """Each all-reduce's element count, from its launch's (or its gloo range's) input."""
+    numels: list[int | None] = []
     for _, launch, run in raw.comms:
         numel = _launch_numel(launch) if launch is not None else None
         if numel is None and run is not None and run.args.get("Input Dims"):
             numel = _numel(run.args["Input Dims"][0])
+        numels.append(numel)
+    return numels
+
+
+def _bucket_sizes(raw: _RawStep, logged: list[int] | None) -> tuple[list[int], str]:
+    sizes: list[int | None] = []
+    for (_, launch, run), numel in zip(raw.comms, _bucket_numels(raw), strict=True):
         width = _element_bytes(run) or _element_bytes(launch)
         sizes.append(numel * width if numel is not None and width else None)
     if all(s is not None for s in sizes):
@@ -371,17 +382,20 @@ def _grad_rows(raw: _RawStep, backward_start: float) -> list[dict[str, Any]]:
     return rows
 
 
-def _assign_params(grads: list[dict[str, Any]], sizes: list[int | None]) -> list[list[int]] | None:
+def _assign_params(
+    grads: list[dict[str, Any]], sizes: Sequence[int | None], key: str = "nbytes"
+) -> list[list[int]] | None:
     """Gradients (in ready order) per bucket: torch's rebuilt buckets are runs of that order, so
-    cumulative bytes must meet each bucket's size exactly; otherwise None (not inferable)."""
-    if not grads or any(g["nbytes"] is None for g in grads) or any(s is None for s in sizes):
+    the cumulative ``key`` (``"numel"``, or ``"nbytes"`` when only the buckets' bytes are known)
+    must meet each bucket's exactly; otherwise None (not inferable)."""
+    if not grads or any(g[key] is None for g in grads) or any(s is None for s in sizes):
         return None
     out, k = [], 0
     for size in sizes:
         members, total = [], 0
         while k < len(grads) and total < size:
             members.append(k)
-            total += grads[k]["nbytes"]
+            total += grads[k][key]
             k += 1
         if total != size:
             return None
@@ -480,7 +494,13 @@ def _to_step(
     except ValueError as e:
         raise ValueError(f"{meta['source']}, step {number}: {e}") from None
     grads = _grad_rows(raw, raw.backwards[-1][0])
-    members = _assign_params(grads, sizes)
+    numels = _bucket_numels(raw)
+    # by element count: a comm hook may send the bucket in fewer bytes (bf16) than it holds
+    members = (
+        _assign_params(grads, numels, "numel")
+        if size_source == "record_shapes"
+        else _assign_params(grads, sizes)
+    )
     ends = _completions(raw, members)
     spans = _compute_spans(raw, ms, ends) + _bucket_spans(raw, ms, sizes, grads, members, ends)
     # torch DDP's reducer sees parameters in registration order; the ready order is roughly
@@ -520,6 +540,10 @@ def _to_step(
             "bucket_sizes_from": size_source,
             "comm_lanes": max(lanes, 1),
             "grads": grads,
+            # the gradients' own bytes per bucket (more than it sent, when a hook compresses)
+            "bucket_grad_bytes": (
+                [sum(grads[k]["nbytes"] for k in m) for m in members] if members else None
+            ),
             "backward_ops_end_ms": ms(raw.ops_end),
             "launch_ms": [ms(launch.start) if launch else None for _, launch, _ in raw.comms],
             "verified": not raw.gpu,

@@ -3,7 +3,8 @@
 Diagnosis, not simulation: it reads a user's torch.profiler trace (:mod:`.from_trace`: the
 job's compute profile, its collectives, its measured steps), names the rank the others wait
 for (:mod:`.straggler`), and asks the simulator (:mod:`dplab.sim`, one layer down) what the step
-would be at other bucket caps (:mod:`.doctor`). The simulator knows nothing of the doctor.
+would be at other bucket caps (:mod:`.doctor`), after splitting the whole step (:mod:`.budget`).
+The simulator knows nothing of the doctor.
 
     d = dplab.doctor.diagnose("traces/")   # one torch.profiler trace per rank
     print(d.summary())
@@ -16,6 +17,16 @@ from dplab._lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     globals(),
     {
+        "dplab.doctor.budget": [
+            "TERMS",
+            "Achieved",
+            "Budget",
+            "StepBudget",
+            "achieved_bandwidth",
+            "overlap_share",
+            "step_budget",
+            "step_budgets",
+        ],
         "dplab.doctor.doctor": [
             "CapRow",
             "Diagnosis",
@@ -44,6 +55,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "service_times",
             "simulate_lanes",
         ],
+        "dplab.doctor.jobs": ["profile_torch_job", "wide_model"],
         "dplab.doctor.straggler": ["Straggler", "find_straggler"],
     },
 )

@@ -13,6 +13,13 @@ GPU capacities are the vendors' nominal HBM sizes. Vendors write "80 GB", but HB
 binary sizes, so the nominal figure is taken as GiB (2^30 bytes): an "80 GB" H100 is modelled as
 80 GiB = 85.9 GB. It is an upper bound on what a program can allocate: torch reports an H100
 80GB as 79.11 GiB total (the rest goes to the driver), an A100-SXM4-40GB as 39.39 GiB.
+
+Peak dense bf16 tensor-core FLOP/s, where given, are the datasheets' figures without 2:4
+sparsity (the datasheets print the sparse figure, twice the dense one, with a footnote): NVIDIA
+A100 Tensor Core GPU datasheet, "BFLOAT16 Tensor Core 312 TFLOPS | 624 TFLOPS*" (SXM and PCIe
+alike); NVIDIA H100 Tensor Core GPU datasheet, H100 SXM "BFLOAT16 Tensor Core 1,979 teraFLOPS*"
+(989.4 dense; the H200 datasheet gives the same). They are peaks: a real training step reaches a
+fraction of them (its model FLOPs utilisation).
 """
 
 from __future__ import annotations
@@ -91,11 +98,13 @@ LLM_SHAPES: dict[str, ModelConfig] = {
 
 @dataclass(frozen=True)
 class GPU:
-    """An accelerator and its nominal memory (taken as GiB, see the module docstring)."""
+    """An accelerator, its nominal memory (taken as GiB) and, where the module docstring quotes
+    its datasheet, its peak dense bf16 FLOP/s (None where it does not)."""
 
     key: str
     name: str
     memory_gib: int
+    bf16_tflops: float | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -109,10 +118,10 @@ class GPU:
 GPUS: dict[str, GPU] = {
     g.key: g
     for g in [
-        GPU("a100-40gb", "A100 40GB", 40),
-        GPU("a100-80gb", "A100 80GB", 80),
-        GPU("h100-80gb", "H100 80GB", 80),
-        GPU("h200-141gb", "H200 141GB", 141),
+        GPU("a100-40gb", "A100 40GB", 40, bf16_tflops=312.0),
+        GPU("a100-80gb", "A100 80GB", 80, bf16_tflops=312.0),
+        GPU("h100-80gb", "H100 80GB", 80, bf16_tflops=989.4),
+        GPU("h200-141gb", "H200 141GB", 141, bf16_tflops=989.4),
         GPU("b200-192gb", "B200 192GB", 192),
         GPU("mi300x-192gb", "MI300X 192GB", 192),
     ]

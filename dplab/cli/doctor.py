@@ -43,7 +43,23 @@ def _inputs(args: argparse.Namespace) -> tuple[Path, Any]:
     return out, logging_data
 
 
+def _flight_recorder(args: argparse.Namespace) -> int:
+    """``--flight-recorder DIR``: every rank's dump read side by side; the rank that is behind."""
+    from dplab.doctor.flight_recorder import read_flight_recorder
+
+    try:
+        report = read_flight_recorder(args.flight_recorder)
+    except ValueError as e:
+        return fail(str(e).strip().splitlines()[0])
+    print(report.summary())
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.flight_recorder is not None:
+        return _flight_recorder(args)
+    if args.trace_dir is None:
+        return fail("give TRACE_DIR (torch.profiler traces) or --flight-recorder DIR (dumps)")
     from dplab.doctor import diagnose
     from dplab.trace.files import write_atomic
     from dplab.trace.profiler import from_profiler
@@ -81,7 +97,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("trace_dir", help="folder with one torch.profiler trace per rank")
+    p.add_argument("trace_dir", nargs="?", help="folder with one torch.profiler trace per rank")
+    p.add_argument(
+        "--flight-recorder",
+        metavar="DIR",
+        default=None,
+        help="folder of flight-recorder dumps, one per rank named <prefix><rank>: which rank "
+        "is behind, at which collective (the line starting 'behind:')",
+    )
     p.add_argument(
         "--link", default=None, help="a dplab.sim link preset for the what-if (default: fitted)"
     )

@@ -19,6 +19,7 @@ from dplab.failures.desync import (
     mismatched_metrics,
     rank_dependent_allreduce,
 )
+from dplab.failures.job import JobRun, run_job
 from dplab.failures.no_sync import PLACEMENTS, NoSyncRun, no_sync_run
 from dplab.failures.ragged import RaggedLoss, ragged_loss
 from dplab.failures.rank0_work import EvalRun, rank0_evaluates
@@ -40,6 +41,7 @@ __all__ = [
     "EvalCount",
     "EvalRun",
     "FindUnusedCost",
+    "JobRun",
     "JoinRun",
     "NoSyncRun",
     "RaggedLoss",
@@ -59,6 +61,7 @@ __all__ = [
     "ragged_loss",
     "rank0_evaluates",
     "rank_dependent_allreduce",
+    "run_job",
     "straggler_steps",
     "two_forwards",
     "uneven_with_join",

@@ -18,24 +18,58 @@ Measured steps (host clock, CUDA events) and simulated ones draw the same way, b
 
 Several steps (e.g. naive, per-parameter and bucketed) go into panels, stacked on one time axis
 so that their lengths compare at a glance.
+
+The figure is made in three steps, one module each: :mod:`~dplab.viz.timeline_panels` reads the
+input into panels and lays each rank's collectives on sub-rows, :mod:`~dplab.viz.timeline_marks`
+gathers a panel's marks rank by rank as plain data, and this module turns them into plotly
+traces on one figure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dplab._units import MIB
-from dplab.trace import Span, StepTrace
-from dplab.trace.metrics import COMM_KINDS, subtract
+from dplab.trace import StepTrace
+from dplab.trace.metrics import COMM_KINDS
 from dplab.viz.style import COLORS, layout
+from dplab.viz.timeline_marks import (
+    BAR_WIDTH,
+    COMPUTE_KINDS,
+    MAX_PARAMS_IN_HOVER,
+    Bars,
+    panel_marks,
+)
+from dplab.viz.timeline_panels import (
+    COLLECTIVE_NAMES,
+    comm_rows,
+    comm_spans,
+    describe_step,
+    panels_of,
+    summary_line,
+)
+
+__all__ = [  # the figure, and the names this module had before its parts moved out
+    "ALIGNS",
+    "BAR_WIDTH",
+    "COLLECTIVE_NAMES",
+    "COMPUTE_KINDS",
+    "KIND_LABELS",
+    "MAX_PARAMS_IN_HOVER",
+    "ROW_PX",
+    "SHARDED_LABELS",
+    "comm_rows",
+    "comm_spans",
+    "describe_step",
+    "panels_of",
+    "summary_line",
+    "timeline_figure",
+]
 
 ALIGNS = ("rank0", "step")
-COMPUTE_KINDS = ("forward", "backward", "wait", "optimizer")
 KIND_LABELS = {
     "forward": "forward",
     "backward": "backward",
@@ -51,177 +85,7 @@ KIND_LABELS = {
 }
 # a figure holding a sharded step (§9b) waits for, and exposes, more than all-reduces
 SHARDED_LABELS = {"wait": "waiting for communication", "exposed": "communication, exposed"}
-COLLECTIVE_NAMES = {  # plural, for the summary line
-    "allreduce": "all-reduces",
-    "allgather": "all-gathers",
-    "reduce_scatter": "reduce-scatters",
-    "broadcast": "broadcasts",
-}
-BAR_WIDTH = 0.8
 ROW_PX = 34
-MAX_PARAMS_IN_HOVER = 8
-
-
-# -- input -------------------------------------------------------------------------------------
-
-
-def _as_trace(item: Any) -> StepTrace:
-    if isinstance(item, StepTrace):
-        return item
-    if isinstance(item, Mapping):
-        return StepTrace.from_dict(dict(item))
-    raise ValueError(f"expected a StepTrace (or its to_dict()), got {type(item).__name__}")
-
-
-def panels_of(traces: Any) -> list[list[StepTrace]]:
-    """Normalise the input: a StepTrace, a list of them (one step, one per rank), or a list of
-    such lists (one panel each). Dicts from ``to_dict()`` are read back."""
-    if isinstance(traces, (StepTrace, Mapping)):
-        return [[_as_trace(traces)]]
-    if not isinstance(traces, Sequence) or isinstance(traces, (str, bytes)):
-        raise ValueError(
-            "timeline_figure needs a StepTrace, a list of StepTrace (one per rank) or a list of "
-            f"such lists (one panel each); got {type(traces).__name__}"
-        )
-    if not traces:
-        raise ValueError("no traces to draw")
-    if all(isinstance(t, (StepTrace, Mapping)) for t in traces):
-        groups: list[Any] = [traces]
-    elif all(isinstance(t, Sequence) and not isinstance(t, (str, bytes)) for t in traces):
-        groups = list(traces)
-    else:
-        raise ValueError(
-            "mixed input: pass either a list of StepTrace (one panel) or a list of lists "
-            "(one panel each), not both"
-        )
-    panels = []
-    for n, group in enumerate(groups):
-        items = [group] if isinstance(group, (StepTrace, Mapping)) else list(group)
-        if not items:
-            raise ValueError(f"panel {n} has no traces")
-        panel = sorted((_as_trace(t) for t in items), key=lambda t: t.rank)
-        ranks = [t.rank for t in panel]
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(
-                f"panel {n} holds rank {_first_duplicate(ranks)} twice: a panel is one step, "
-                "one trace per rank (use several panels for several steps)"
-            )
-        panels.append(panel)
-    return panels
-
-
-def _first_duplicate(values: list[int]) -> int:
-    seen: set[int] = set()
-    for v in values:
-        if v in seen:
-            return v
-        seen.add(v)
-    raise AssertionError("no duplicate")
-
-
-# -- layout of the lanes -----------------------------------------------------------------------
-
-
-def comm_spans(trace: StepTrace) -> list[Span]:
-    """Every collective of the step (all-reduces, and a sharded step's other kinds), by start."""
-    return sorted((s for s in trace.spans if s.kind in COMM_KINDS), key=lambda s: s.start_ms)
-
-
-def comm_rows(trace: StepTrace) -> list[int]:
-    """Sub-row of each collective (in ``comm_spans(trace)`` order) so none overlap.
-
-    Greedy interval partitioning: each collective takes the first sub-row that is free when it
-    starts. With gloo's two worker threads this needs at most two rows; a simulated or NCCL
-    step, whose collectives run one after the other, needs one.
-    """
-    ends: list[float] = []
-    rows = []
-    for span in comm_spans(trace):
-        for row, end in enumerate(ends):
-            if end <= span.start_ms + 1e-9:
-                ends[row] = span.end_ms
-                rows.append(row)
-                break
-        else:
-            ends.append(span.end_ms)
-            rows.append(len(ends) - 1)
-    return rows
-
-
-def describe_step(trace: StepTrace) -> str:
-    """One line for a panel title: what ran, where, and how it was timed."""
-    meta = trace.meta
-    variant = meta.get("variant", "bucketed")
-    parts = [str(variant).replace("_", "-")]
-    if variant == "bucketed" and "bucket_cap_mb" in meta:
-        parts[0] += f", cap {meta['bucket_cap_mb']:g} MiB"
-    if "model" in meta:
-        parts.append(str(meta["model"]))
-    if int(meta.get("micro_batches", 1)) > 1:
-        parts.append(f"{meta['micro_batches']} micro-batches (all but the last under no_sync)")
-    parts.append(f"{trace.world_size:,} rank{'s' if trace.world_size != 1 else ''}")
-    if trace.simulated:
-        link = meta.get("link")
-        parts.append(f"simulated{f' on {link}' if link else ''}")
-    else:
-        parts.append(f"measured: {trace.backend}, {trace.clock.replace('_', ' ')} clock")
-    return " · ".join(parts)
-
-
-def summary_line(panel: Sequence[StepTrace]) -> str:
-    """The panel's numbers (rank 0, or the lowest rank drawn)."""
-    m = panel[0].metrics
-    who = f"rank {panel[0].rank}: " if len(panel) > 1 else ""
-    head = (
-        f"{who}step {m.t_step_ms:,.1f} ms · max(T_compute, T_comm) {m.predicted_step_ms:,.1f} ms · "
-        f"exposed comm {m.exposed_comm_ms:,.1f} ms of {m.t_comm_ms:,.1f} · "
-    )
-    sharded = {k: len(panel[0].of(k)) for k in COMM_KINDS[1:] if panel[0].of(k)}
-    if sharded:  # a sharded step (§9b): its collectives by kind
-        counts = {"allreduce": m.n_allreduce, **sharded}
-        return head + ", ".join(f"{n} {COLLECTIVE_NAMES[k]}" for k, n in counts.items() if n)
-    n_buckets = len(panel[0].buckets) or len({s.bucket for s in panel[0].of("allreduce")})
-    return head + f"{n_buckets} bucket{'s' if n_buckets != 1 else ''}, {m.n_allreduce} all-reduces"
-
-
-# -- drawing -----------------------------------------------------------------------------------
-
-
-class _Bars:
-    """The horizontal bars of one colour in one panel, gathered into a single plotly trace."""
-
-    def __init__(self) -> None:
-        self.base: list[float] = []
-        self.x: list[float] = []
-        self.y: list[float] = []
-        self.text: list[str] = []
-        self.hover: list[str] = []
-
-    def add(self, start: float, end: float, y: float, text: str, hover: str) -> None:
-        self.base.append(start)
-        self.x.append(max(end - start, 0.0))
-        self.y.append(y)
-        self.text.append(text)
-        self.hover.append(hover)
-
-
-def _params_text(names: Sequence[str]) -> str:
-    shown = list(names[:MAX_PARAMS_IN_HOVER])
-    more = len(names) - len(shown)
-    text = "<br>  ".join(shown)
-    if more > 0:
-        text += f"<br>  … and {more} more"
-    return text
-
-
-def _bytes_text(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "?"
-    if nbytes >= MIB:
-        return f"{nbytes / 1024 / 1024:,.2f} MiB ({nbytes:,} B)"
-    if nbytes >= 1024:
-        return f"{nbytes / 1024:,.1f} KiB ({nbytes:,} B)"
-    return f"{nbytes:,} B"
 
 
 def _labels(panels: Sequence[Sequence[StepTrace]]) -> dict[str, str]:
@@ -232,7 +96,7 @@ def _labels(panels: Sequence[Sequence[StepTrace]]) -> dict[str, str]:
 
 def _add_bars(
     fig: go.Figure,
-    bars: dict[str, _Bars],
+    bars: dict[str, Bars],
     where: dict[str, int],
     legend_seen: set[str],
     labels: Mapping[str, str],
@@ -324,136 +188,6 @@ def _add_predicted(
     legend_seen.add("predicted")
 
 
-@dataclass
-class _PanelMarks:
-    """Everything one panel draws, gathered rank by rank before any plotly trace is made.
-
-    Gathering first lets each kind become a single trace per panel (one legend entry, one
-    hover style) however many ranks and buckets the panel holds.
-    """
-
-    bars: dict[str, _Bars] = field(
-        default_factory=lambda: {k: _Bars() for k in (*COMPUTE_KINDS, *COMM_KINDS, "exposed")}
-    )
-    ready_x: list[float] = field(default_factory=list)
-    ready_y: list[float] = field(default_factory=list)
-    ready_hover: list[str] = field(default_factory=list)
-    predicted: list[tuple[float, float, float, str]] = field(default_factory=list)
-    tickvals: list[float] = field(default_factory=list)
-    ticktext: list[str] = field(default_factory=list)
-
-
-def _add_compute_lane(marks: _PanelMarks, trace: StepTrace, offset: float, y: float) -> None:
-    """The rank's compute lane: forward, backward, wait and optimizer spans at height ``y``."""
-    marks.tickvals.append(y)
-    marks.ticktext.append(f"rank {trace.rank} compute")
-    for span in trace.spans:
-        if span.kind in COMPUTE_KINDS:
-            marks.bars[span.kind].add(
-                offset + span.start_ms,
-                offset + span.end_ms,
-                y,
-                span.name,
-                f"rank {trace.rank} · {span.name}<br>{span.start_ms:,.2f} → "
-                f"{span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms)",
-            )
-
-
-def _allreduce_hover(trace: StepTrace, span: Span, exposed_ms: float, params: Sequence[str]) -> str:
-    """What one bucket's all-reduce moved and when: bytes, times, exposed part, parameters."""
-    if span.kind != "allreduce" or span.bucket is None:  # a sharded step's collective
-        return (
-            f"rank {trace.rank} · {span.name}<br>{_bytes_text(span.nbytes)}<br>"
-            f"{span.start_ms:,.2f} → {span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms), "
-            f"exposed {exposed_ms:,.2f} ms"
-        )
-    return (
-        f"rank {trace.rank} · all-reduce of bucket {span.bucket}<br>"
-        f"{_bytes_text(span.nbytes)}<br>"
-        f"{span.start_ms:,.2f} → {span.end_ms:,.2f} ms ({span.duration_ms:,.2f} ms), "
-        f"exposed {exposed_ms:,.2f} ms<br>"
-        f"parameters ({len(params)}):<br>  {_params_text(params)}"
-    )
-
-
-def _add_comm_lanes(
-    marks: _PanelMarks,
-    trace: StepTrace,
-    offset: float,
-    y: float,
-    names: Mapping[int | None, list[str]],
-) -> int:
-    """The rank's comm lane below ``y``: each collective whole, and its exposed part on top.
-
-    The exposed part is the collective minus the backward and forward spans: the time nothing
-    was being computed, so the step paid for it. Returns how many sub-rows the lane needed.
-    """
-    rows = comm_rows(trace)
-    n_rows = max(rows, default=0) + 1
-    for k in range(n_rows):
-        marks.tickvals.append(y + 1 + k)
-        marks.ticktext.append(f"rank {trace.rank} comm" + (f" ·{k + 1}" if n_rows > 1 else ""))
-    compute = [(s.start_ms, s.end_ms) for s in trace.of("backward") + trace.of("forward")]
-    for span, row in zip(comm_spans(trace), rows, strict=True):
-        row_y = y + 1 + row
-        exposed = subtract([(span.start_ms, span.end_ms)], compute)
-        hover = _allreduce_hover(
-            trace, span, sum(b - a for a, b in exposed), names.get(span.bucket, [])
-        )
-        label = f"b{span.bucket}" if span.bucket is not None else span.name
-        marks.bars[span.kind].add(offset + span.start_ms, offset + span.end_ms, row_y, label, hover)
-        for a, b in exposed:
-            marks.bars["exposed"].add(
-                offset + a,
-                offset + b,
-                row_y,
-                label,
-                f"exposed: {b - a:,.2f} ms with no backward running<br>{hover}",
-            )
-    return n_rows
-
-
-def _add_bucket_ready(
-    marks: _PanelMarks,
-    trace: StepTrace,
-    offset: float,
-    y: float,
-    names: Mapping[int | None, list[str]],
-) -> None:
-    """A marker between the lanes where each bucket's last gradient arrived."""
-    for span in trace.of("bucket_ready"):
-        marks.ready_x.append(offset + span.start_ms)
-        marks.ready_y.append(y + 0.5)
-        n_params = len(names.get(span.bucket, []))
-        marks.ready_hover.append(
-            f"rank {trace.rank} · bucket {span.bucket} ready at {span.start_ms:,.2f} ms<br>"
-            f"its last gradient is in ({n_params} parameters, {_bytes_text(span.nbytes)})"
-        )
-
-
-def _add_perfect_overlap(
-    marks: _PanelMarks, trace: StepTrace, offset: float, y: float, n_rows: int
-) -> None:
-    """Where the step would end with perfect overlap, max(T_compute, T_comm) after its start.
-
-    The line spans the rank's compute and comm lanes, so the gap to the real step end reads
-    directly as time lost to exposed communication.
-    """
-    m = trace.metrics
-    start = min((s.start_ms for s in trace.spans), default=0.0)
-    marks.predicted.append(
-        (
-            offset + start + m.predicted_step_ms,
-            y - BAR_WIDTH / 2,
-            y + n_rows + BAR_WIDTH / 2,
-            f"rank {trace.rank} · perfect overlap: max(T_compute, T_comm) = "
-            f"{m.predicted_step_ms:,.1f} ms<br>T_compute {m.t_compute_ms:,.1f} ms "
-            f"(forward + backward + optimizer), T_comm {m.t_comm_ms:,.1f} ms<br>"
-            f"this step took {m.t_step_ms:,.1f} ms; exposed comm {m.exposed_comm_ms:,.1f} ms",
-        )
-    )
-
-
 def _draw_panel(
     fig: go.Figure,
     panel: Sequence[StepTrace],
@@ -464,25 +198,9 @@ def _draw_panel(
     show_predicted: bool,
     labels: Mapping[str, str],
 ) -> tuple[list[float], list[str]]:
-    """Add one panel's traces to ``fig``; return its y tick positions and labels.
-
-    Ranks are laid out top to bottom, each a compute lane and its comm sub-rows; with
-    ``align="rank0"`` every rank is shifted onto rank 0's clock so a late rank shows.
-    """
-    marks = _PanelMarks()
-    reference = panel[0].origin_ms
-    y = 0.0
-    for trace in panel:
-        offset = trace.origin_ms - reference if align == "rank0" else 0.0
-        names: dict[int | None, list[str]] = {b.index: list(b.param_names) for b in trace.buckets}
-        _add_compute_lane(marks, trace, offset, y)
-        n_rows = _add_comm_lanes(marks, trace, offset, y, names)
-        _add_bucket_ready(marks, trace, offset, y, names)
-        _add_perfect_overlap(marks, trace, offset, y, n_rows)
-        # A gap between ranks. Not `y += n_rows + 1.6`: that rounds differently and would move
-        # the tick positions of existing figures by one ulp.
-        y = y + n_rows + 1.6
-
+    """Add one panel's traces to ``fig`` (its marks, :func:`panel_marks`); return its y tick
+    positions and labels."""
+    marks = panel_marks(panel, align=align)
     _add_bars(fig, marks.bars, where, legend_seen, labels)
     _add_ready_marks(fig, (marks.ready_x, marks.ready_y, marks.ready_hover), where, legend_seen)
     if show_predicted:

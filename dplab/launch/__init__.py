@@ -14,6 +14,8 @@ One idea per module:
   :mod:`dplab.nodes`);
 - :mod:`~dplab.launch.output`: what ranks print, relayed and capped;
 - :mod:`~dplab.launch.cluster`: the warm pool :class:`Cluster`;
+- :mod:`~dplab.launch.processes`: a rank process (its environment, start, log folder, exit);
+- :mod:`~dplab.launch.stacks`: where a stuck rank is, from its faulthandler dump;
 - :mod:`~dplab.launch.torchrun`: running in place under torchrun, and :func:`device`;
 - :mod:`~dplab.launch.history`: closing pools that only IPython's output history still holds.
 

@@ -18,13 +18,13 @@ NAME = "lessons"
 LESSON_CELLS = {
     "03_dp_mechanics.ipynb": [
         "s3-01",  # imports, the 2- and 4-rank pools
-        "s3-18", "s3-19",  # §3.3: exactly the gradient bytes per step
+        "s3-19",  # §3.3: exactly the gradient bytes per step, each rank's own gradient ÷ N
         "s3-50",  # close the pools
     ],
     "03b_batch_accumulation_allreduce.ipynb": [
         "s3b-01",  # imports, the 2- and 4-rank pools
-        "s3-23", "s3-24",  # §3.4: same B_global, same weights (N = 1, 2, 4)
-        "s3-26", "s3-27",  # §3.5: one all-reduce per bucket with no_sync, the big batch's weights
+        "s3-24",  # §3.4: same B_global, same weights (N = 1, 2, 4)
+        "s3-27",  # §3.5: one all-reduce per bucket with no_sync, the big batch's weights
         "s3b-50",  # close the pools
     ],
     "08_ddp.ipynb": [

@@ -381,3 +381,127 @@ def test_3d_layout_refuses_bad_questions():
         job.coords(8)
     with pytest.raises(ValueError, match=re.escape("pp=2 stages must split layers=3 evenly")):
         job.syncs_per_step(3, 1)
+
+
+# -- torch's DDP divides before the all-reduce (03 §3.3 says so) --------------------------------
+
+
+def _torch_ddp_reducer_events() -> list[str]:
+    """Rank function: the reducer's and the all-reduce's profiler events of one torch DDP step,
+    in the order they started (the second step: the first one rebuilds the buckets)."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1)))
+    x = torch.randn(8, 64)
+    ddp(x).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ddp(x).sum().backward()
+    events = sorted((e.time_range.start, e.name) for e in prof.events())
+    return [name for _, name in events if "reducer" in name or name == "c10d::allreduce_"]
+
+
+def test_torchs_reducer_scales_each_gradient_before_the_all_reduce(cluster2):
+    """reducer.cpp, ``Reducer::mark_variable_ready_dense``: ``mul_out(bucket_view, grad, 1/N)``,
+    recorded as ``torch::distributed::reducer::mul_out``, then the bucket's all-reduce: the sum
+    the all-reduce returns is already the average. Checked on the installed torch, not its text."""
+    for events in cluster2.run(_torch_ddp_reducer_events):
+        scaled = [i for i, name in enumerate(events) if name.endswith("reducer::mul_out")]
+        reduced = events.index("c10d::allreduce_")
+        assert len(scaled) == 4, events  # one per parameter: two weights, two biases
+        assert max(scaled) < reduced, events
+
+
+# -- 00: a cell's function in a spawned process, and the course map -----------------------------
+
+
+def _exits_cleanly() -> None:
+    """Importable by name (a module-level function), so a spawned child finds it."""
+
+
+def _sleeps() -> None:
+    import time
+
+    time.sleep(600)
+
+
+def test_a_spawned_child_runs_an_importable_function():
+    run = M.run_spawned(_exits_cleanly)
+    assert run.exit_code == 0, run.stderr
+
+
+def test_a_spawned_child_cannot_find_a_function_of_the_parents_main():
+    import sys
+
+    def whoami() -> None:
+        pass
+
+    main = sys.modules["__main__"]
+    whoami.__module__, whoami.__qualname__ = "__main__", "dplab_test_whoami"
+    main.dplab_test_whoami = whoami  # pickle, by reference, finds it here, in the parent only
+    try:
+        run = M.run_spawned(whoami)
+    finally:
+        del main.dplab_test_whoami
+    assert run.exit_code != 0
+    assert "Can't get attribute 'dplab_test_whoami' on <module '__main__'" in run.stderr
+    assert run.last_line.startswith("AttributeError"), run.last_line
+
+
+def test_a_spawned_child_past_its_time_is_killed():
+    run = M.run_spawned(_sleeps, timeout_s=1.0)
+    assert run.exit_code is not None and run.exit_code < 0  # killed by a signal, not hung
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: M.run_spawned(_exits_cleanly, timeout_s=0), ValueError, "timeout_s must be > 0"),
+        (lambda: M.run_spawned("whoami"), TypeError, "needs a function, got 'whoami'"),
+    ],
+)
+def test_run_spawned_refuses_bad_input(call, error, match):
+    with pytest.raises(error, match=re.escape(match)):
+        call()
+
+
+def _notebook(path, *markdown: str) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(m) for m in markdown]
+    nb.cells.insert(1, nbformat.v4.new_code_cell("print('[not](a_link.ipynb)')"))
+    nbformat.write(nb, path)
+
+
+def test_the_map_reads_links_in_order_and_the_folder_in_path_order(tmp_path):
+    for name in ("03_a.ipynb", "03b_b.ipynb", "08_c.ipynb", "00_start_here.ipynb", "notes.ipynb"):
+        _notebook(tmp_path / name, "x")
+    start = tmp_path / "00_start_here.ipynb"
+    _notebook(start, "| [A](03_a.ipynb) | [C](08_c.ipynb) |", "[B](03b_b.ipynb) [A](03_a.ipynb)")
+    assert M.map_links(start) == ["03_a.ipynb", "08_c.ipynb", "03b_b.ipynb"]  # code cells skipped
+    assert M.last_link(start) == "03_a.ipynb"
+    assert M.lessons_in(tmp_path) == ["03_a.ipynb", "03b_b.ipynb", "08_c.ipynb"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [None, "not json", "[1, 2]", '{"seconds": 3}', '{"seconds": {"03_a.ipynb": "slow"}}'],
+)
+def test_missing_or_partial_times_read_as_not_measured(tmp_path, text):
+    path = tmp_path / "times.json"
+    if text is not None:
+        path.write_text(text)
+    times = M.recorded_times(path)
+    assert times.describe("03_a.ipynb") == "not measured yet"
+    assert times.recorded == {}
+
+
+def test_recorded_times_are_read_with_how_they_were_recorded(tmp_path):
+    path = tmp_path / "times.json"
+    path.write_text('{"recorded": {"cores": 2}, "seconds": {"03_a.ipynb": 18.7, "x": true}}')
+    times = M.recorded_times(path)
+    assert times.describe("03_a.ipynb") == "  19 s"
+    assert times.describe("x") == "not measured yet"  # a bool is not a time
+    assert times.recorded == {"cores": 2}

@@ -1,8 +1,9 @@
 """All-reduce from first principles: the ring, the naive contrast, and what they cost.
 
 Data parallelism needs exactly one collective: after backward, every rank holds its own gradient
-``g_i`` and must end with ``sum_i g_i`` (then divide by N). This package builds that all-reduce
-from nothing but point-to-point ``isend``/``irecv``, two ways:
+``g_i`` and must end with their sum (torch's DDP divides each ``g_i`` by N before summing, so the
+sum is the average). This package builds that all-reduce from nothing but point-to-point
+``isend``/``irecv``, two ways:
 
 * **naive** (gather to one, then broadcast): rank 0 receives every other rank's whole tensor,
   sums, and sends the sum back. Simple, but rank 0's link carries ``(N-1)·S`` bytes in and

@@ -304,8 +304,8 @@ def check_broadcast_weights(fn: Any, cluster: Any = None, *, world_size: int = 2
             "the parameters match rank 0's, but the buffers do not ("
             + ", ".join(r0["buffer_names"])
             + "): a replica is its parameters and its buffers; broadcast model.buffers() too "
-            "(torch's DDP does at construction, and again before every forward while "
-            "broadcast_buffers=True, its default).",
+            "(torch's DDP broadcasts both at construction, and the buffers again before every "
+            "forward while forward_sync_buffers is on, its default).",
             details,
         )
     moved = r0["bytes"] / r0["state_bytes"]

@@ -10,6 +10,8 @@
 - :mod:`~dplab.mechanics.lr_scaling`: the linear scaling rule and warm-up on a real task.
 - :mod:`~dplab.mechanics.allreduce`: what the all-reduce computes; the ring on real ranks.
 - :mod:`~dplab.mechanics.parallel3d`: where DP sits in 3D parallelism (layout, syncs per step).
+- :mod:`~dplab.mechanics.spawned` and :mod:`~dplab.mechanics.course_map`: 00's aside (a cell's
+  function in a spawned process) and its map of the lessons, checked against the folder.
 """
 
 from dplab.ddp import accumulate
@@ -32,6 +34,7 @@ from dplab.mechanics.batch import (
     global_batch_size,
     local_batch_size,
 )
+from dplab.mechanics.course_map import LessonTimes, last_link, lessons_in, map_links, recorded_times
 from dplab.mechanics.gradients import average_over_ranks, gradient, sharded_vs_global
 from dplab.mechanics.lr_scaling import (
     CountTask,
@@ -47,6 +50,7 @@ from dplab.mechanics.lr_scaling import (
     train_counts,
     warmup_lr,
 )
+from dplab.mechanics.spawned import SpawnedRun, run_spawned
 from dplab.mechanics.traffic import CommCounter, CommRecord, comm_table
 from dplab.mechanics.training import (
     broadcast_from_rank0,
@@ -61,8 +65,10 @@ __all__ = [
     "CommRecord",
     "CountTask",
     "FactorSetup",
+    "LessonTimes",
     "SavedTensorMeter",
     "ScalingSetup",
+    "SpawnedRun",
     "accumulate",
     "activation_memory",
     "all_reduce_demo",
@@ -80,9 +86,12 @@ __all__ = [
     "format_batch_table",
     "global_batch_size",
     "gradient",
+    "last_link",
+    "lessons_in",
     "local_batch_size",
     "log_gap",
     "lr_scaling_runs",
+    "map_links",
     "max_abs_diff",
     "mean_loss_in",
     "params_hash",
@@ -90,6 +99,8 @@ __all__ = [
     "rank_and_world",
     "rank_tensor",
     "rates_at_start",
+    "recorded_times",
+    "run_spawned",
     "scaling_summary",
     "shard",
     "sharded_vs_global",

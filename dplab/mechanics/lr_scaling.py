@@ -276,7 +276,8 @@ class FactorSetup:
     epochs: int = 2
 
     def factors(self) -> dict[str, float]:
-        """The linear rule's k and the wrong factors it must beat: too small twice, too large."""
+        """The linear rule's k against k/2, 2k and the square-root rule √k: the usual advice for
+        Adam (Malladi et al. 2022), which for SGD, here, should lose to k."""
         k = self.k
         return {"√k": math.sqrt(k), "k/2": k / 2, "k": float(k), "2k": 2.0 * k}
 

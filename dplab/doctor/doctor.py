@@ -463,6 +463,7 @@ def diagnose(
     current_cap_mb: float | None = None,
     ddp_logging_data: Mapping[str, Any] | None = None,
     caps: Sequence[float] | None = None,
+    reference: str | Link | None = None,
 ) -> Diagnosis:
     """Read a torch DDP job's profiler trace (or ``from_profiler``'s output) and diagnose it.
 
@@ -471,6 +472,8 @@ def diagnose(
     ``prior``: the link whose α:β shape the fit keeps when the buckets are all one size).
     ``current_cap_mb``: the job's cap, else read from ``ddp_logging_data['bucket_cap_bytes']``,
     else inferred from its buckets. ``caps``: the caps to try (default: E12 caps), and the job's.
+    ``reference``: the link each all-reduce's achieved bandwidth is set against (default:
+    ``link``, else :func:`prior_link`, this machine's measured loopback on gloo).
     """
     runs = _runs_of(source, ddp_logging_data)
     table, profile, n = by_step(runs), profile_from_trace(runs), runs[0][0].world_size
@@ -508,6 +511,7 @@ def diagnose(
     noise = _rerun_noise(per_step_current, [m.exposed_ms for m in measured])
     measured_median = statistics.median(m.exposed_ms for m in measured)
     miss = abs(statistics.median(per_step_current) - measured_median)
+    against, backend = reference or link, runs[0][0].backend
     d = Diagnosis(
         world_size=n,
         backend=runs[0][0].backend,
@@ -533,7 +537,7 @@ def diagnose(
         sweep=sweep,
         simulated_best=sim(profile, best),
         simulated_current=sim(profile, cap, first),
-        budget=step_budgets(runs, get_link(link) if link else prior_link(runs[0][0].backend)),
+        budget=step_budgets(runs, get_link(against) if against else prior_link(backend)),
         one_bucket_mb=one_bucket_cap(profile) if len(observed) == 1 else None,
         nccl=any(not t.meta.get("verified", True) for rank in runs for t in rank),
         sent_share=sum(b.nbytes for b in last.buckets) / sum(observed),

@@ -442,3 +442,21 @@ def _as_gpu_trace(steps, folder: Path) -> None:
         "traceEvents": events,
     }
     (folder / f"rank{steps[0].rank}.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("old", "name"),
+    [("doctor", "diagnose"), ("from_trace", "MAD_SIGMA"), ("straggler", "find_straggler")],
+)
+def test_a_saved_notebooks_old_import_still_runs_and_names_the_new_path(old, name):
+    """dplab.sim.doctor, .from_trace and .straggler moved to dplab.doctor: for one release the
+    old names import the same objects, with a DeprecationWarning that names the new module."""
+    import importlib
+    import sys
+
+    import dplab.doctor
+
+    sys.modules.pop(f"dplab.sim.{old}", None)
+    with pytest.warns(DeprecationWarning, match=f"moved to dplab.doctor.{old}"):
+        module = importlib.import_module(f"dplab.sim.{old}")
+    assert getattr(module, name) is getattr(dplab.doctor, name)

@@ -1,10 +1,13 @@
-"""``python -m dplab doctor TRACE_DIR``: your own torch DDP job, its exposed buckets, a better cap.
+"""``python -m dplab doctor TRACE_DIR``: your own torch DDP job, where its steps go, and a cap.
 
 TRACE_DIR holds one torch.profiler trace per rank (``prof.export_chrome_trace(...)`` or
 ``torch.profiler.tensorboard_trace_handler``; ``.json`` or ``.json.gz``), recorded with
 ``schedule=`` (for the ``ProfilerStep#N`` marks) and ``record_shapes=True`` (for the bucket and
-gradient sizes). It prints the per-step and per-bucket summary and the recommendation (with its
-predicted gain and uncertainty), and writes ``timeline.html`` beside the traces: the measured
+gradient sizes). It prints the per-step and per-bucket summary, the step budget per rank (data
+wait, forward, backward, exposed communication, optimizer, other), each all-reduce's achieved
+bandwidth, HTA's overlap share, a line starting ``verdict:`` that names the largest part of the
+step, and the recommendation: a cap only when the exposed communication is that part (with its
+predicted gain and uncertainty). It writes ``timeline.html`` beside the traces: the measured
 last step of every rank and the step predicted at the recommended cap, with plotly.js embedded
 so that it opens offline.
 """
@@ -93,7 +96,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "doctor",
-        help="read a torch.profiler trace of your DDP job: exposed buckets, a better cap",
+        help="read a torch.profiler trace of your DDP job: step budget, verdict, a better cap",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -20,6 +20,7 @@ import pytest
 
 from dplab.doctor.flight_recorder import analyze, read_dumps, read_flight_recorder
 from dplab.doctor.frtrace import fixed_up_copy, torchfrtrace_verdicts
+from dplab.doctor.nccl_log import RECORDED_HANG, RECORDED_LOG, read_nccl_log
 from dplab.failures.job import DUMP_PREFIX, run_job
 from tests.conftest import child_pids
 
@@ -208,3 +209,21 @@ def test_a_job_refuses_a_folder_with_files_and_an_unknown_scenario(tmp_path):
         run_job("skip", folder=tmp_path, skipper=0, position=1)
     with pytest.raises(ValueError, match="scenario"):
         run_job("nap", folder=tmp_path / "new")
+
+
+def test_the_recorded_nccl_hang_reads_the_same_in_its_log_its_dump_and_torchfrtrace():
+    log = read_nccl_log(RECORDED_LOG.read_text())
+    assert [(t.seq, t.op, t.numel_in, t.timeout_ms) for t in log.timeouts] == [
+        (4, "ALLREDUCE", 12345, 5000)
+    ]
+    assert [(s.seq, s.last_enqueued, s.last_completed) for s in log.statuses] == [(4, 4, 3)]
+    assert log.transport == ["NET/IB : No device found", "Using network Socket"]
+    report = read_flight_recorder(RECORDED_HANG)
+    assert report.assumed == [] and report.members == {
+        "0": (0,),
+        "1": (0,),
+    }  # NCCL lists its groups
+    assert report.first is None and report.backend == "nccl"
+    last = report.last[0]
+    assert (last.seq, last.what(), last.state) == (4, "all_reduce [12345]", "scheduled")
+    assert torchfrtrace_verdicts(RECORDED_HANG) == []  # one rank: nothing unmatched, as ours

@@ -28,13 +28,19 @@ import torch.distributed as dist
 from dplab import _checks
 
 
-def metric_on_rank0(timeout_s: float) -> None:
-    """A step's loss on every rank, then a metric all-reduced on rank 0 only (the bug)."""
+def metric_on_rank0(timeout_s: float, *, fixed: bool = False) -> None:
+    """A step's loss on every rank, then a metric all-reduced on rank 0 only (the bug); the fix
+    all-reduces it on every rank and lets rank 0 alone log it."""
     loss = torch.ones(4)
     dist.all_reduce(loss)  # every rank: collective #1
+    accuracy = torch.tensor([0.5])
+    if fixed or dist.get_rank() == 0:
+        dist.all_reduce(accuracy)  # #2: on rank 0 only, no other rank issues it
     if dist.get_rank() == 0:
-        accuracy = torch.tensor([0.5])
-        dist.all_reduce(accuracy)  # rank 0 only: #2, which no other rank issues
+        print(f"accuracy {accuracy.item() / dist.get_world_size():.2f}")
+
+
+METRICS = ("loss", "accuracy", "grad_norm")  # the keys every rank agrees to send
 
 
 def metrics_by_rank(rank: int) -> dict[str, float]:
@@ -45,11 +51,13 @@ def metrics_by_rank(rank: int) -> dict[str, float]:
     return logged
 
 
-def metric_keys(timeout_s: float) -> None:
-    """Each rank all-reduces the values it logged: 3 numbers on rank 0, 2 on the others."""
+def metric_keys(timeout_s: float, *, fixed: bool = False) -> None:
+    """Each rank all-reduces the values it logged: 3 numbers on rank 0, 2 on the others. The fix
+    sends the agreed keys, 0 where a rank has no value."""
     dist.all_reduce(torch.ones(4))  # the loss: #1 on every rank
     logged = metrics_by_rank(dist.get_rank())
-    dist.all_reduce(torch.tensor(list(logged.values())))  # #2, with a size that differs
+    values = [logged.get(k, 0.0) for k in METRICS] if fixed else list(logged.values())
+    dist.all_reduce(torch.tensor(values))  # #2, with a size that differs unless fixed
 
 
 def save_checkpoint(state: dict, *, collective_inside: bool) -> bytes:

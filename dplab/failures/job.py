@@ -88,12 +88,15 @@ def run_job(
     *,
     folder: str | os.PathLike,
     timeout_s: float = 2.0,
+    debug: str = "OFF",
     **params: Any,
 ) -> JobRun:
     """Run ``scenario`` (a name in :data:`dplab.failures.hangs.SCENARIOS`) on ``world_size``
     fresh ranks whose default group times out after ``timeout_s``; dumps go to ``folder``.
 
     ``folder`` must be empty or absent: torchfrtrace reads every file in it as a rank's dump.
+    ``debug`` is ``TORCH_DISTRIBUTED_DEBUG`` for the ranks: ``DETAIL`` makes torch compare every
+    collective's op and shapes across ranks before running it, and name a mismatch.
     """
     from dplab.failures.hangs import SCENARIOS
 
@@ -102,6 +105,7 @@ def run_job(
     if world_size < 2:
         raise ValueError(f"world_size must be at least 2 for a hang, got {world_size}")
     timeout_s = check_wait("timeout_s", timeout_s)
+    _checks.check_choice("debug", debug, ("OFF", "INFO", "DETAIL"))
     out = Path(folder)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"folder {str(out)!r} is not empty: it must hold only this job's dumps")
@@ -116,6 +120,7 @@ def run_job(
         TORCH_FR_BUFFER_SIZE=env.get("TORCH_FR_BUFFER_SIZE", "64"),
         TORCH_FR_DUMP_TEMP_FILE=str(out / DUMP_PREFIX),
         GLOO_SOCKET_IFNAME="lo",
+        TORCH_DISTRIBUTED_DEBUG=debug,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )

@@ -593,9 +593,9 @@ def test_a_hooked_bucket_reports_the_bytes_its_hook_sent(cluster2):
 
 def _refused(kind: str) -> None:
     kwargs = {
-        "static_graph": {"static_graph": True},
+        "skip_unused": {"skip_all_reduce_unused_params": True},
         "mixed_precision": {"mixed_precision": object()},
-        "bucket_cap_mb_list": {"bucket_cap_mb_list": [1, 2]},
+        "delay": {"delay_all_reduce_named_params": [("w", object())]},
         "device_ids": {"device_ids": [0]},
         "two_device_ids": {"device_ids": [0, 1]},
     }[kind]
@@ -605,9 +605,9 @@ def _refused(kind: str) -> None:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("static_graph", "does not support static_graph=True"),
+        ("skip_unused", "does not support skip_all_reduce_unused_params=True"),
         ("mixed_precision", "does not support mixed_precision="),
-        ("bucket_cap_mb_list", r"does not support bucket_cap_mb_list=\[1, 2\]"),
+        ("delay", "does not support delay_all_reduce_named_params="),
         ("device_ids", "device_ids and output_device arguments only work with"),
         ("two_device_ids", "device_ids can only be None or contain a single element"),
     ],

@@ -19,12 +19,10 @@ from torch import nn
 
 # torch arguments dplab.DDP does not implement, with the value that means "not used".
 NOT_SUPPORTED: dict[str, Any] = {
-    "static_graph": False,
     "delay_all_reduce_named_params": None,
     "param_to_hook_all_reduce": None,
     "mixed_precision": None,
     "skip_all_reduce_unused_params": False,
-    "bucket_cap_mb_list": None,
 }
 
 
@@ -44,6 +42,32 @@ def refuse_unsupported(given: dict[str, Any], *, check_reduction: bool) -> None:
             FutureWarning,
             stacklevel=3,
         )
+
+
+def sync_buffers_flags(broadcast_buffers: Any, forward_sync_buffers: Any) -> tuple[bool, bool]:
+    """(sync buffers before forwards, sync them at construction), with torch 2.13's warnings:
+    ``broadcast_buffers`` is deprecated in favour of ``forward_sync_buffers`` (which still syncs
+    at construction); left at ``None`` it means True."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            message = (
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                "`broadcast_buffers` is deprecated and its value is ignored when "
+                "`forward_sync_buffers` is provided."
+            )
+        else:
+            message = (
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+                "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
+                "syncs buffers at init. If you rely on buffers NOT being synced at init (e.g. "
+                "rank-local buffers), keep using `broadcast_buffers=False` until "
+                "`init_sync_buffers` is available."
+            )
+        warnings.warn(message, FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return effective, effective
 
 
 def resolve_group(process_group: Any, device_mesh: Any) -> Any:
@@ -73,7 +97,7 @@ def check_wrappable(module: nn.Module, ignored: set[str]) -> None:
         for name, p in sub.named_parameters(prefix=prefix, recurse=False):
             if p.requires_grad and name not in ignored:
                 raise NotImplementedError(
-                    f"dplab.DDP does not reduce sparse gradients: parameter {name!r} of "
+                    f"dplab.DDP does not support sparse gradients: parameter {name!r} of "
                     f"{type(sub).__name__}(sparse=True) would get one (torch's "
                     "DistributedDataParallel all-reduces it on gloo). Build the module with "
                     "sparse=False, or use torch's DDP. See docs/ddp.md."

@@ -23,14 +23,17 @@ class BackwardState:
 
     __slots__ = (
         "got_grad",
+        "hits",
         "in_place",
         "in_place_count",
         "next_bucket",
         "no_grad",
         "open",
+        "order",
         "pending",
         "queued",
         "ready",
+        "ready_order",
         "unused_marked",
         "works",
     )
@@ -47,6 +50,9 @@ class BackwardState:
         self.no_grad: set[int] = set()  # parameters with no .grad when their bucket launched
         self.in_place = [False] * n_params  # .grad already was its bucket view
         self.in_place_count = [0] * len(bucket_sizes)
+        self.ready_order: list[int] = []  # parameters in the order they became ready
+        self.hits: list[int] = []  # static graph: gradients per parameter (made on first use)
+        self.order: list[int] = []  # static graph's first iteration: first-gradient order
 
 
 def param_hook(ref: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:

@@ -102,6 +102,12 @@ def check_comm_hook(hook: Any) -> None:
             "Communication hook: bucket annotation should be dist.GradBucket, got "
             f"{bucket.annotation!r}"
         )
+    returns = inspect.signature(hook).return_annotation
+    if returns not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError(
+            "Communication hook: return annotation should be "
+            f"torch.futures.Future[torch.Tensor], got {returns!r}"
+        )
 
 
 def run_comm_hook(hook: Callable, state: Any, bucket: GradBucket) -> tuple[Any, int]:
@@ -110,7 +116,7 @@ def run_comm_hook(hook: Callable, state: Any, bucket: GradBucket) -> tuple[Any, 
     with count_sent_bytes() as sent:
         future = hook(state, bucket)
     if not isinstance(future, torch._C.Future):
-        raise TypeError(
+        raise RuntimeError(  # torch's PythonCommHook::parseHookResult: a RuntimeError
             f"comm hook {getattr(hook, '__name__', hook)!r} returned {type(future).__name__} "
             f"for bucket {bucket.index()}; it must return a torch.futures.Future"
         )

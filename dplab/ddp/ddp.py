@@ -24,8 +24,10 @@ a rebuild, once, in the order rank 0's gradients became ready. The lessons' text
 ``first_bucket_cap_mb`` selects; :mod:`dplab.ddp.textbook` is the same mechanism without torch's
 features, for reading.
 
-Beside it, one module each: torch's argument checks, bucket memory (``layout``), ``replicas``,
-the hooks' ``backward_state``, the re-wrap guard ``rewrap``, ``comm_hooks``, teaching ``variants``.
+Beside it, one module each: torch's argument checks, bucket ``plans`` and memory (``layout``),
+``replicas``, the hooks' ``backward_state``, the re-wrap guard ``rewrap``, ``comm_hooks``,
+``buffer_sync``, ``static_graph``'s errors, ``join`` (uneven inputs), ``logging_data``, the rest
+of torch's API (``torch_api``); the teaching ``variants`` build on this class.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +48,7 @@ from dplab.ddp.arguments import (
     check_wrappable,
     refuse_unsupported,
     resolve_group,
+    sync_buffers_flags,
     to_device,
 )
 from dplab.ddp.backward_state import (
@@ -55,23 +58,21 @@ from dplab.ddp.backward_state import (
     param_hook,
     unreachable,
 )
-from dplab.ddp.buckets import (
-    DEFAULT_BUCKET_CAP_MB,
-    check_cap_mb,
-    first_bucket_cap,
-    torch_first_bucket_cap,
-)
-from dplab.ddp.comm_hooks import GradBucket, check_comm_hook, hook_result, run_comm_hook
-from dplab.ddp.layout import copy_out, fill, lay_out, scale, static_plan, torch_plan
+from dplab.ddp.buffer_sync import BufferSyncMixin
+from dplab.ddp.comm_hooks import GradBucket, hook_result, run_comm_hook
+from dplab.ddp.join import JoinMixin
+from dplab.ddp.layout import copy_out, fill, lay_out, scale
+from dplab.ddp.logging_data import LoggingData, LoggingMixin
+from dplab.ddp.plans import PlanMixin
 from dplab.ddp.replicas import broadcast_from, check_same_parameters
 from dplab.ddp.rewrap import claim, remove_hooks
+from dplab.ddp.static_graph import changed_graph_error, unfinished_error
+from dplab.ddp.torch_api import TorchApiMixin
 from dplab.trace.bucket import Bucket
 from dplab.trace.observer import NullObserver, StepObserver
 
-_NOT_PICKLED = ("process_group", "_lock", "_handles", "_st", "_comm_hook", "_comm_hook_state")
 
-
-class DDP(nn.Module):
+class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves globally averaged gradients.
 
     The arguments are torch's ``DistributedDataParallel``'s, with its defaults and behaviour;
@@ -102,7 +103,7 @@ class DDP(nn.Module):
         device_ids: list[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: Any = None,
         bucket_cap_mb: float | None = None,
@@ -127,44 +128,57 @@ class DDP(nn.Module):
         super().__init__()
         refuse_unsupported(
             {
-                "static_graph": static_graph,
                 "delay_all_reduce_named_params": delay_all_reduce_named_params,
                 "param_to_hook_all_reduce": param_to_hook_all_reduce,
                 "mixed_precision": mixed_precision,
                 "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
-                "bucket_cap_mb_list": bucket_cap_mb_list,
             },
             check_reduction=check_reduction,
+        )
+        self.forward_sync_buffers, init_sync_buffers = sync_buffers_flags(
+            broadcast_buffers, forward_sync_buffers
         )
         if not dist.is_initialized():
             raise RuntimeError("dplab.DDP needs torch.distributed: run it inside dplab.launch")
         self.module = module
+        self.device_mesh = device_mesh
         self.process_group = resolve_group(process_group, device_mesh)
         self._by_default_group = process_group is None and device_mesh is None
         self.dim = dim
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = False
-        if forward_sync_buffers is not None:
-            self.forward_sync_buffers, init_sync_buffers = bool(forward_sync_buffers), True
-        else:
-            self.forward_sync_buffers = init_sync_buffers = bool(broadcast_buffers)
         self.require_backward_grad_sync = True  # toggled by no_sync(), read at forward
         self.require_forward_param_sync = True  # was the last forward a synchronising one?
         named = self._select_parameters(module, device_ids, output_device)
-        self._choose_buckets(bucket_cap_mb, first_bucket_cap_mb, static_buckets, rebuild_buckets)
+        self._choose_buckets(
+            bucket_cap_mb, bucket_cap_mb_list, first_bucket_cap_mb, static_buckets, rebuild_buckets
+        )
         self._join_group()
         if init_sync:
             check_same_parameters(named, self.process_group)
-            buffers = self._buffers_to_sync if init_sync_buffers else []
+            buffers = self._current_buffers() if init_sync_buffers else []
             self._broadcast_from_rank_0([p.detach() for _, p in named] + buffers)
         self._comm_hook: Callable | None = None
         self._comm_hook_state: Any = None
+        self._buffer_hook: tuple | None = None
         self._detached: str | None = None
+        self._static_requested = bool(static_graph)  # torch: one bucket per dtype at first
         self._build_buckets(self._initial_plan())
         self._ready_order: list[int] = []
+        self._last_ready_order: list[int] = []
         self._order_recorded = False
+        self._static_counts: list[int] | None = None  # static graph: hooks per parameter
+        self._static_unused: list[int] = []
+        self._static_unused_set: set[int] = set()
+        self._static_global_unused: set[int] = set()
+        self._unused_this_iteration: list[int] = []
+        self._log_times = False  # this iteration's times go to the logging data
         self._start_hooks()
+        self._logging = LoggingData()
+        self._logging.construction(self, *self._bucket_bytes())
+        if static_graph:
+            self._set_static_graph()
         self.tracer = tracer
         self._watching = tracer is not None  # else every observer call is skipped, not made
         self._observer: StepObserver = tracer if tracer is not None else NullObserver()
@@ -178,9 +192,10 @@ class DDP(nn.Module):
         """The parameters and buffers DDP keeps in sync (all but the ignored ones), and of those
         the trainable parameters it reduces. Returns every kept parameter, frozen ones too."""
         self._ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.parameters_to_ignore = self._ignored  # torch's name
         check_wrappable(module, self._ignored)
-        named = [(n, p) for n, p in module.named_parameters() if n not in self._ignored]
-        self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in self._ignored]
+        named = self._kept_parameters()
+        self._current_buffers()
         self._params = [(n, p) for n, p in named if p.requires_grad]
         if not self._params:
             raise RuntimeError(
@@ -191,29 +206,6 @@ class DDP(nn.Module):
         self.device_ids, self.output_device = check_devices(self._params, device_ids, output_device)
         self.device = self._params[0][1].device
         return named
-
-    def _choose_buckets(
-        self,
-        bucket_cap_mb: float | None,
-        first_bucket_cap_mb: float | None,
-        static_buckets: bool | None,
-        rebuild_buckets: bool | None,
-    ) -> None:
-        """Bucket caps: torch's rule, or the textbook variant's."""
-        self.static_buckets = (
-            (first_bucket_cap_mb is not None or self.default_static_buckets)
-            if static_buckets is None
-            else bool(static_buckets)
-        )
-        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        self.bucket_cap_mb = check_cap_mb("bucket_cap_mb", cap)
-        if first_bucket_cap_mb is not None or self.static_buckets:
-            self.first_bucket_cap_mb = first_bucket_cap(self.bucket_cap_mb, first_bucket_cap_mb)
-        else:
-            self.first_bucket_cap_mb = torch_first_bucket_cap(bucket_cap_mb)
-        if rebuild_buckets is None:
-            rebuild_buckets = not self.static_buckets and not self.find_unused_parameters
-        self._rebuild_pending = bool(rebuild_buckets)
 
     def _join_group(self) -> None:
         """This rank's place in the group, and where small bookkeeping collectives travel."""
@@ -240,27 +232,6 @@ class DDP(nn.Module):
         ]
         weakref.finalize(self, remove_hooks, self._handles)
 
-    def _caps(self) -> dict[str, float]:
-        return {
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "first_bucket_cap_mb": self.first_bucket_cap_mb,
-        }
-
-    def _initial_plan(self) -> list[list[int]]:
-        """The buckets before the first step, as parameter indices in buffer order."""
-        caps = self._caps()
-        if not self.static_buckets:
-            return torch_plan(self._params, None, find_unused=self.find_unused_parameters, **caps)
-        return static_plan(self._params, list(reversed(range(len(self._params)))), **caps)
-
-    def _static_plan(self, order: list[int]) -> list[list[int]]:
-        """The textbook cut: buckets filled over ``order`` with caps ``[first, cap]``."""
-        return static_plan(self._params, order, **self._caps())
-
-    def _rebuilt_plan(self, order: list[int]) -> list[list[int]]:
-        """The buckets over ``order``, the order rank 0's gradients became ready."""
-        return torch_plan(self._params, order, find_unused=False, **self._caps())
-
     def _broadcast_from_rank_0(self, tensors: list[torch.Tensor]) -> None:
         if self.world_size > 1:
             broadcast_from(tensors, self._src, self.process_group)
@@ -273,16 +244,6 @@ class DDP(nn.Module):
         self._bucket_of = layout.bucket_of
         self.bucket_buffers: list[torch.Tensor] = layout.buffers
         self.buckets: list[Bucket] = layout.buckets
-
-    @property
-    def detached(self) -> bool:
-        """Whether a newer wrapper of the same module took over (this one's hooks are gone)."""
-        return self._detached is not None
-
-    def _detach(self, why: str) -> None:
-        """Remove this wrapper's hooks; using it afterwards is an error that says ``why``."""
-        remove_hooks(self._handles)
-        self._detached = why
 
     def _rebuild_from_ready_order(self) -> None:
         """Rebuild once, in the order rank 0 saw gradients arrive (a collective: all agree)."""
@@ -299,32 +260,6 @@ class DDP(nn.Module):
         self._reset_backward_state()
         self._observer.buckets_changed(self)
 
-    # -- copy, pickle, torch.save (torch's __getstate__/__setstate__) -----------------------------
-
-    def __getstate__(self) -> dict[str, Any]:
-        """What a copy keeps: the module, the arguments, the buckets' plan. Like torch, a wrapper
-        over the default group only; the group, the hooks, a registered comm hook and the tracer
-        are not copied (the copy gets its own hooks, and records nothing)."""
-        if not self._by_default_group:
-            raise RuntimeError(
-                "DDP Pickling/Unpickling are only supported when using DDP with the default "
-                "process group. That is, when you have called init_process_group and have not "
-                "passed process_group argument to DDP constructor"
-            )
-        state = {k: v for k, v in self.__dict__.items() if k not in _NOT_PICKLED}
-        state.update(tracer=None, _watching=False, _observer=NullObserver())
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild on the default group: fresh bucket buffers, hooks on the copy's parameters."""
-        super().__setstate__(state)
-        self.process_group = dist.group.WORLD
-        self._join_group()
-        self._comm_hook, self._comm_hook_state = None, None
-        self._build_buckets(self._bucket_params)
-        self._start_hooks()
-        self._sync_this_backward = False  # the copy's first backward follows no forward of it
-
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -333,16 +268,24 @@ class DDP(nn.Module):
         if self._st.open:
             self._recover()  # the last backward died (an exception in it): start clean
         grad_enabled = torch.is_grad_enabled()
+        sync = grad_enabled and self.require_backward_grad_sync
+        if sync:
+            self._logging.before_forward(self)
+            self._log_times = self._logging.sampled()
+        self._notify_join()  # a collective only inside an enabled torch Join context
         if grad_enabled and self._rebuild_pending and self._order_recorded:
             self._rebuild_from_ready_order()
-        if self.will_sync_module_buffers():
-            self._broadcast_from_rank_0(self._buffers_to_sync)
+        if self._buffer_hook_at(post_forward=False):
+            self._sync_buffers()
+        if self._join_config.enable:
+            self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         if self.device_ids:
             args, kwargs = to_device((args, kwargs), self.device)
-        sync = grad_enabled and self.require_backward_grad_sync
         if grad_enabled and self._watching:
             self._observer.forward_start()
         out = self.module(*args, **kwargs)
+        if self._buffer_hook_at(post_forward=True):
+            self._sync_buffers()
         self.require_forward_param_sync = sync
         if not grad_enabled:
             return out
@@ -350,7 +293,9 @@ class DDP(nn.Module):
         self._sync_this_backward = sync
         if sync:
             tensors = [t for t in tensors_in(out) if t.grad_fn is not None]
-            if self.find_unused_parameters:
+            if self.static_graph:  # no search: the first iteration's unused ones (or none yet)
+                self._unused_this_backward = self._static_unused
+            elif self.find_unused_parameters:
                 self._unused_this_backward = unreachable(tensors, self._index)
             me, generation = weakref.ref(self), self._generation
             for t in tensors:
@@ -359,15 +304,6 @@ class DDP(nn.Module):
             self._observer.forward_end(out)
         return out
 
-    def will_sync_module_buffers(self) -> bool:
-        """torch's rule: buffers are broadcast before a forward that follows a synchronising
-        (grad-enabled, not ``no_sync``) one; the first forward counts as following one."""
-        return (
-            self.require_forward_param_sync
-            and self.forward_sync_buffers
-            and len(self._buffers_to_sync) > 0
-        )
-
     @property
     def broadcast_buffers(self) -> bool:
         return self.forward_sync_buffers
@@ -375,33 +311,6 @@ class DDP(nn.Module):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: backward passes of forwards run in here communicate
-        nothing. The next synchronising backward all-reduces the sum, once per bucket."""
-        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
-
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """torch's contract: ``hook(state, bucket) -> torch.futures.Future`` replaces each
-        bucket's all-reduce; the Future's value (a tensor, or a list of one) is the reduced
-        bucket. Buckets are not divided by the world size first: the hook does that."""
-        check_comm_hook(hook)
-        if self._comm_hook is not None:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once."
-            )
-        self._comm_hook, self._comm_hook_state = hook, state
-
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "dplab.DDP does not support join() (uneven inputs); give every rank the same "
-            "number of batches. See docs/ddp.md."
-        )
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -448,6 +357,8 @@ class DDP(nn.Module):
                     self._queue_end_of_backward()  # only to tell the observer backward ended
                 return
             st = self._st
+            if not st.got_grad and self._log_times:
+                self._logging.record("backward_compute_start")
             st.got_grad = True
             if not st.queued:
                 st.open = True
@@ -456,11 +367,30 @@ class DDP(nn.Module):
                 st.unused_marked = True
                 for j in self._unused_this_backward:
                     self._mark_unused_ready(j)
-            if self.find_unused_parameters:
+            if self.find_unused_parameters or self.static_graph:
                 self._used_since_sync.add(i)
             if self._watching:
                 self._observer.grad_ready(i)
+            if self.static_graph and not self._static_hit(i):
+                return  # more gradients of this parameter are still to come
             self._mark_ready(i)
+
+    def _static_hit(self, i: int) -> bool:
+        """Static graph: count parameter ``i``'s gradient; is it now ready? In the first
+        iteration nothing is ready before the end (all buckets are reduced then, as torch's
+        delayed all-reduce); afterwards, when the first iteration's count is reached."""
+        st = self._st
+        if not st.hits:
+            st.hits = [0] * len(self._params)
+        st.hits[i] += 1
+        if self._static_counts is None:
+            if st.hits[i] == 1:
+                st.order.append(i)
+            return False
+        expected = self._static_counts[i]
+        if st.hits[i] > expected or i in self._static_unused_set:
+            self._log_and_throw(RuntimeError, changed_graph_error(self._params[i][0]))
+        return st.hits[i] == expected
 
     def _mark_unused_ready(self, i: int) -> None:
         """Unreachable in this backward: its slot gets its ``.grad`` (from no_sync) or zeros."""
@@ -473,10 +403,11 @@ class DDP(nn.Module):
         if st.ready[i]:
             raise RuntimeError(
                 f"parameter {self._params[i][0]!r} received its gradient twice in one backward: "
-                "it is used both inside and outside a reentrant checkpoint (torch's DDP refuses "
-                "this too unless static_graph=True, which dplab.DDP does not support)"
+                "it is used both inside and outside a reentrant checkpoint, or in two forwards "
+                "before one backward (torch's DDP refuses this too; wrap with static_graph=True)"
             )
         st.ready[i] = True
+        st.ready_order.append(i)
         if self._rebuild_pending and not self._order_recorded:
             self._ready_order.append(i)
         b = self._bucket_of[i]
@@ -495,6 +426,8 @@ class DDP(nn.Module):
             st.next_bucket += 1
 
     def _launch(self, b: int) -> None:
+        if self._log_times:
+            self._logging.record("comm_start", first=True)
         fill(self._layout, self._params, b, self._st, grads_as_views=self.gradient_as_bucket_view)
         self._scale(b)
         self._observer.allreduce_start(b)
@@ -508,7 +441,7 @@ class DDP(nn.Module):
 
     def _scale(self, b: int) -> None:
         """Bucket ``b`` times 1/N, as torch does it (:func:`~dplab.ddp.layout.scale`)."""
-        n = self.world_size
+        n = self._divisor()
         if n == 1 or self._comm_hook is not None:
             return  # a comm hook owns the whole reduction, division included (as in torch)
         scale(self._layout, b, self._st, n)
@@ -532,6 +465,8 @@ class DDP(nn.Module):
         locally, as torch's reducer, which expects no more hooks after it finalized."""
         with self._lock:
             synced = self._sync_this_backward and self._st.got_grad
+            if synced and self._log_times:
+                self._logging.record("backward_compute_end")
             if self._watching:
                 self._observer.backward_end(synced=synced)
             if not synced:
@@ -547,54 +482,54 @@ class DDP(nn.Module):
             self._observer.wait_end()
 
     def _finish_sync_backward(self) -> None:
-        missing = [i for i, ready in enumerate(self._st.ready) if not ready]
-        if missing and not self.find_unused_parameters:
+        st = self._st
+        first_static = self.static_graph and self._static_counts is None
+        for i in st.order if first_static else ():
+            self._mark_ready(i)  # static graph's first iteration: all at the end, first-come order
+        missing = [i for i, ready in enumerate(st.ready) if not ready]
+        if missing and self.static_graph and not first_static:
             names = [self._params[i][0] for i in missing]
-            raise RuntimeError(
+            self._log_and_throw(RuntimeError, unfinished_error(self.rank, missing, names))
+        if missing and not (self.find_unused_parameters or self.static_graph):
+            names = [self._params[i][0] for i in missing]
+            self._log_and_throw(
+                RuntimeError,
                 f"dplab.DDP: these parameters got no gradient in this backward: {names}. "
                 "Every rank must all-reduce every bucket; if the model does not use every "
-                "parameter in every step, wrap it with find_unused_parameters=True."
+                "parameter in every step, wrap it with find_unused_parameters=True.",
             )
         # Reachable from an output the loss left out: no gradient came, as for an unused one.
-        self._st.unused_marked = True
+        st.unused_marked = True
         for i in missing:
             self._mark_unused_ready(i)
         self._launch_ready_buckets()  # the naive variant launches everything here
-        for b, work in enumerate(self._st.works):
+        for b, work in enumerate(st.works):
             if self._comm_hook is None:
                 work.wait()
                 continue
             result = hook_result(work.wait(), b)
             if result is not self.bucket_buffers[b]:
                 self.bucket_buffers[b].copy_(result.view(-1))
-        unused: set[int] = set()
-        if self.find_unused_parameters:
+        if self._log_times:
+            self._logging.record("comm_end")
+        unused: set[int] = self._static_global_unused
+        if first_static or (self.find_unused_parameters and not self.static_graph):
+            n = len(self._params)
             unused = globally_unused(
-                self._used_since_sync, len(self._params), self._comm_device, self.process_group
+                self._used_since_sync, n, self._comm_device, self.process_group
             )
-            self._used_since_sync = set()
+        self._used_since_sync = set()
+        if first_static:
+            self._static_counts = st.hits or [0] * len(self._params)
+            self._static_unused, self._static_unused_set = missing, set(missing)
+            self._static_global_unused = unused
+        self._unused_this_iteration = list(self._unused_this_backward) + missing
+        self._last_ready_order = st.ready_order
         views = self.gradient_as_bucket_view
-        copy_out(self._layout, self._params, unused, self._st.no_grad, grads_as_views=views)
+        copy_out(self._layout, self._params, unused, st.no_grad, grads_as_views=views)
+        self._wait_buffer_futures()
         if self._rebuild_pending and not self._order_recorded and self._ready_order:
             self._order_recorded = True
-
-    # -- teaching aids -------------------------------------------------------------------------
-
-    def bucket_of(self, name: str) -> int:
-        """The bucket index that holds parameter ``name``."""
-        for i, (n, _) in enumerate(self._params):
-            if n == name:
-                return self._bucket_of[i]
-        raise KeyError(f"no trainable parameter named {name!r}")
-
-
-def __getattr__(name: str) -> Any:
-    """The teaching variants moved to :mod:`dplab.ddp.variants`; old imports still find them."""
-    from dplab.ddp import variants
-
-    if name in variants.__all__:
-        return getattr(variants, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["DDP"]

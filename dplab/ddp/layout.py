@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dplab.ddp.buckets import bucket_plan, rebuilt_buckets, torch_initial_buckets
+from dplab.ddp.buckets import assign_buckets, bucket_plan, rebuilt_buckets, torch_initial_buckets
 from dplab.trace.bucket import Bucket
 
 Named = list[tuple[str, nn.Parameter]]
@@ -67,6 +67,13 @@ def torch_plan(
     if order is None:
         return torch_initial_buckets(nbytes, keys, find_unused_parameters=find_unused, **caps)
     return rebuilt_buckets(order, nbytes, keys, **caps)
+
+
+def per_bucket_plan(params: Named, caps: list[int]) -> list[list[int]]:
+    """torch's buckets under ``bucket_cap_mb_list``: registration order cut with ``caps``
+    (bytes; one per bucket, the last repeated), then reversed."""
+    nbytes, keys = sizes_and_keys(params)
+    return list(reversed(assign_buckets(nbytes, keys, caps)))
 
 
 def lay_out(params: Named, plan: list[list[int]], *, grads_as_views: bool) -> Layout:

@@ -75,11 +75,6 @@ class Replies:
         end = self.deadline if self.grace_end is None else min(self.deadline, self.grace_end)
         return max(0.0, min(poll_s, end - time.monotonic()))
 
-    @property
-    def timed_out(self) -> bool:
-        """Ranks still pending at the deadline, with no failure to blame."""
-        return bool(self.pending) and not self.errors and time.monotonic() >= self.deadline
-
     # -- the verdict ----------------------------------------------------------------------------
 
     def raise_errors(self) -> None:

@@ -20,12 +20,6 @@ class ShardingUnavailable(RuntimeError):
     """The installed torch cannot run this part of the lesson (the message says which and why)."""
 
 
-def torch_version() -> tuple[int, int]:
-    """``(major, minor)`` of the installed torch (``2.13.0+cpu`` → ``(2, 13)``)."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
-
-
 def fully_shard_api() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``(fully_shard, init_device_mesh)`` from wherever this torch keeps them.
 

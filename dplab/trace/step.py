@@ -142,10 +142,6 @@ class StepTrace:
             meta=dict(d.get("meta", {})),
         )
 
-    def to_chrome_trace(self) -> dict[str, Any]:
-        """This step as Chrome trace-event JSON (opens in Perfetto and chrome://tracing)."""
-        return chrome_trace([self])
-
 
 def last_steps(per_rank: list[list[StepTrace]]) -> list[StepTrace]:
     """Each rank's last step (the one after warm-up settles), in rank order."""

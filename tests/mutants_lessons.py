@@ -1,9 +1,9 @@
-"""Planted bugs for the core lessons (03, 03b, 08, 08a) and the lesson cells that catch them.
+"""Planted bugs for the core lessons (03, 03b, 08, 08b) and the lesson cells that catch them.
 
 The derived notebook is cells of ``03_dp_mechanics`` (setup, §3.3 traffic), of
 ``03b_batch_accumulation_allreduce`` (setup, §3.4 B_global, §3.5 accumulation), of ``08_ddp``
 (setup, §1 the bucket map, §2 three ways to all-reduce and overlap by its definition, §4 the last
-bucket) and of ``08a`` (the rebuild's order, the DDP's own group), copied verbatim by cell id. A
+bucket) and of ``08b`` (the rebuild's order, the DDP's own group), copied verbatim by cell id. A
 mutant runs only its own lesson's cells, up to the claim's cell; the control runs them all.
 """
 
@@ -30,7 +30,7 @@ LESSON_CELLS = {
     "08_ddp.ipynb": [
         "cdff95d1",  # imports, the pool, MODEL, measure, every_step, median
         "b013b8ed", "s8-grads",  # §1: the bucket map; a multi-bucket plan's gradient values
-        "fea0c5bd", "c355d019", "6a803d81",  # §2: naive, per-parameter, bucketed
+        "fea0c5bd", "6a803d81",  # §2: naive, per-parameter, bucketed
         "s8-ready",  # §2: each bucket launched as soon as it is ready, timed by the ranks
         "5b9e2f47", "c8f06a1d",  # §2: overlap by its definition, on a comms-bound model
         "4ca31f54", "7a523b33",  # §4: the exposed last bucket
@@ -39,7 +39,6 @@ LESSON_CELLS = {
         "s8c-01",  # imports, the pool
         "s8a-rank0",  # the rebuild takes rank 0's order, whatever each rank saw
         "s8a-group",  # DDP averages over its own process group
-        "s8c-24",  # close the pool
     ],
 }  # fmt: skip
 
@@ -125,7 +124,7 @@ MUTATIONS = [
         "ddp/ddp.py",
         "        self.world_size = dist.get_world_size(self.process_group)\n",
         "        self.world_size = dist.get_world_size()\n",
-        "08a §8: DDP in a group of one rank gives that rank's own gradient, as torch's does",
+        "08b §7: DDP in a group of one rank gives that rank's own gradient, as torch's does",
         "s8a-group",
     ),
     Mutation(
@@ -139,7 +138,7 @@ MUTATIONS = [
         "        if len(self._ready_order) == len(self._params):\n"
         "            order[:] = torch.tensor(self._ready_order)\n"
         "        order = order.to(self._comm_device)\n",
-        "08a §1: ranks whose ready orders differ still rebuild the same buckets (rank 0's)",
+        "08b §1: ranks whose ready orders differ still rebuild the same buckets (rank 0's)",
         "s8a-rank0",
     ),
 ]

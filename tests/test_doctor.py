@@ -460,3 +460,36 @@ def test_a_saved_notebooks_old_import_still_runs_and_names_the_new_path(old, nam
     with pytest.warns(DeprecationWarning, match=f"moved to dplab.doctor.{old}"):
         module = importlib.import_module(f"dplab.sim.{old}")
     assert getattr(module, name) is getattr(dplab.doctor, name)
+
+
+def test_overlap_share_and_the_budget_on_a_step_drawn_by_hand():
+    """HTA's definition on spans whose answer is known without it: the all-reduces cover 5 to
+    12 ms (two at once count once), under backward for 5 ms and under the optimizer for 0.5:
+    5.5 of 7 ms. The budget's terms come from the spans and the profiler's window; "other"
+    is what they leave (13 to 16 ms)."""
+    from dplab.doctor import overlap_share, step_budget
+    from dplab.trace.step import Span, StepTrace
+
+    spans = [
+        Span("forward", "forward", 0.0, 2.0),
+        Span("backward", "backward", 2.0, 10.0),
+        Span("all-reduce bucket 0", "allreduce", 5.0, 12.0, 0, 64),
+        Span("all-reduce bucket 1", "allreduce", 6.0, 11.0, 1, 64),
+        Span("wait", "wait", 10.0, 11.5),
+        Span("optimizer", "optimizer", 11.5, 13.0),
+    ]
+    meta = {"profiler_step_ms": [-30.0, 16.0]}
+    step = StepTrace(0, 2, "gloo", "cpu", "host", 3, spans, meta=meta)
+    assert overlap_share([step]) == pytest.approx(5.5 / 7)
+    b = step_budget(step)
+    assert b.step_ms == 46.0
+    assert b.terms() == pytest.approx(
+        {
+            "data wait": 30.0,
+            "forward": 2.0,
+            "backward": 8.0,
+            "exposed communication": 1.5,
+            "optimizer": 1.5,
+            "other": 3.0,
+        }
+    )

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dplab
-from dplab.exercises import ShardedOptimizer, check_my_zero1
+from dplab.exercises import NoBroadcastShardedOptimizer, ShardedOptimizer, check_my_zero1
 
 
 class RoundRobinZero1(torch.optim.Optimizer):
@@ -74,19 +74,6 @@ class EveryRankStepsEverything(torch.optim.Optimizer):
                 dist.all_reduce(p.grad)
                 p.grad.div_(dist.get_world_size())
         self.inner.step()
-
-
-class NoBroadcast(ShardedOptimizer):
-    """Wrong: steps its shard and stops there."""
-
-    @torch.no_grad()
-    def step(self, closure=None, **kwargs):
-        for g in self.param_groups:
-            for p in g["params"]:
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.world_size)
-        if self.local is not None:
-            self.local.step()
 
 
 class LosesAParameter(torch.optim.Optimizer):
@@ -163,7 +150,7 @@ def test_correct_answers_pass(cls, pools):
 
 WRONG = {
     EveryRankStepsEverything: "every rank steps everything",
-    NoBroadcast: "no broadcast after the step",
+    NoBroadcastShardedOptimizer: "no broadcast after the step",  # 09b's negative control
     LosesAParameter: "a parameter nobody steps",
     NotAveraged: "gradients not averaged",
     Summed: "gradients summed, not averaged",

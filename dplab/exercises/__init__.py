@@ -19,13 +19,14 @@ from dplab.exercises.checks import (
 )
 from dplab.exercises.ddp import check_exposed_buckets
 from dplab.exercises.my_ddp import check_my_ddp
-from dplab.exercises.zero1 import ShardedOptimizer, check_my_zero1
+from dplab.exercises.zero1 import NoBroadcastShardedOptimizer, ShardedOptimizer, check_my_zero1
 
 __all__ = [
     "FAILED",
     "NOT_ATTEMPTED",
     "PASSED",
     "CheckResult",
+    "NoBroadcastShardedOptimizer",
     "ShardedOptimizer",
     "check_accumulation_step",
     "check_average_gradients",

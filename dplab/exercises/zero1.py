@@ -97,9 +97,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.grad.div_(self.world_size)
         if self.local is not None:
             self.local.step(**kwargs)
+        self._share_updates(params)
+        return loss
+
+    def _share_updates(self, params: list[torch.Tensor]) -> None:
+        """Send each parameter from its owner to every rank: the others never stepped it."""
         for p in params:
             dist.broadcast(p.data, src=self.owner[p])
-        return loss
+
+
+class NoBroadcastShardedOptimizer(ShardedOptimizer):
+    """A wrong answer on purpose, the checker's negative control: each rank steps the parameters
+    it owns and never sends them, so the ranks drift apart (a mistake learners make)."""
+
+    def _share_updates(self, params: list[torch.Tensor]) -> None:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

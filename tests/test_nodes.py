@@ -28,6 +28,7 @@ from dplab.nodes import (
     RendezvousError,
     nodes_available,
     remove_leftovers,
+    tbf_burst_bytes,
 )
 from dplab.nodes import netns as netns_mod
 
@@ -162,6 +163,24 @@ def test_bad_arguments_are_named():
         Nodes(2, 1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"link_mbit .* got -5"):
         Network(2, link_mbit=-5)
+
+
+def test_tbf_burst_is_read_from_tcs_own_line():
+    line = "qdisc tbf 8001: root refcnt 2 rate 25Mbit burst 256Kb lat 50ms"
+    assert tbf_burst_bytes(line) == 256 * 1024
+    assert tbf_burst_bytes("qdisc tbf 8001: root rate 1Gbit burst 2Mb lat 50ms") == 2 * 2**20
+    with pytest.raises(ValueError, match="no tbf burst in 'qdisc noqueue 0: root'"):
+        tbf_burst_bytes("qdisc noqueue 0: root")
+
+
+@needs_nodes
+def test_shaping_reports_the_rate_that_was_set(no_leak):
+    with Nodes(2, ranks_per_node=1, link_mbit=25) as nodes:
+        line = nodes.shaping(0)
+        assert "tbf" in line and "25Mbit" in line, line
+        assert tbf_burst_bytes(line) >= 256 * 1024
+        nodes.set_link(None)
+        assert "tbf" not in nodes.shaping(0)
 
 
 def test_ring_crossings():

@@ -8,7 +8,15 @@ Ranks of one node talk over its loopback, nodes over their shaped link: the two-
 a real cluster, measured rather than simulated. See :mod:`dplab.nodes.netns` for the layout.
 """
 
-from dplab.nodes.netns import Network, Node, NodesUnavailable, nodes_available, remove_leftovers
+from dplab.nodes.netns import (
+    Network,
+    Node,
+    NodesUnavailable,
+    nodes_available,
+    ours,
+    remove_leftovers,
+    tbf_burst_bytes,
+)
 from dplab.nodes.run import Nodes, RendezvousError
 
 __all__ = [
@@ -18,5 +26,7 @@ __all__ = [
     "NodesUnavailable",
     "RendezvousError",
     "nodes_available",
+    "ours",
     "remove_leftovers",
+    "tbf_burst_bytes",
 ]

@@ -171,6 +171,16 @@ def nodes_available() -> tuple[bool, str]:
     return True, "ok"
 
 
+def tbf_burst_bytes(qdisc: str) -> int:
+    """The bucket of a ``tc qdisc show`` line's ``tbf`` (``burst 256Kb`` is 256 KiB): the bytes
+    that leave at once before the rate holds them back."""
+    found = re.search(r"burst (\d+)([KM]?b)\b", qdisc)
+    if found is None:
+        raise ValueError(f"no tbf burst in {qdisc!r}: is the link shaped?")
+    number, unit = found.groups()
+    return int(number) * {"b": 1, "Kb": 2**10, "Mb": 2**20}[unit]
+
+
 def _mbit(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not 0.1 <= value <= 100_000:
         raise ValueError(f"{name} must be a number of Mbit/s in [0.1, 100000], got {value!r}")

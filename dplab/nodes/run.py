@@ -134,6 +134,13 @@ class Nodes:
         """Take node ``node``'s link down (to see a rendezvous fail)."""
         self.network.cut(node)
 
+    def shaping(self, node: int = 0) -> str:
+        """What the kernel says shapes node ``node``'s link: ``tc qdisc show`` on its interface
+        (with a rate set, a ``tbf`` line with its rate and burst)."""
+        n = self.network.nodes[node]
+        cmd = ["ip", "netns", "exec", n.netns, "tc", "qdisc", "show", "dev", n.iface]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
     def close(self) -> None:
         """Delete every namespace (and what runs there) and stop the reaper."""
         self.network.close()

@@ -315,15 +315,3 @@ def test_a_measured_two_rank_step_draws_every_bucket_on_both_ranks(cluster2):
         )
         assert length(pieces) == pytest.approx(trace.metrics.exposed_comm_ms, abs=1e-6)
     bucket_map_figure(ranks[0], param_sizes_of(make_model("tiny-gpt")), cap_mb=0.25)
-
-
-def test_scaling_efficiency_is_the_smallest_world_sizes_step_over_each():
-    from dplab.viz import efficiency, scaling_figure
-
-    eff = efficiency({4: 500.0, 1: 100.0, 2: 125.0})
-    assert eff == {1: 1.0, 2: 0.8, 4: 0.2}
-    fig = scaling_figure({1: 100.0, 2: 125.0}, {1: 90.0, 2: 100.0}, {1: 10.0, 8: 11.0, 1024: 20.0})
-    assert [list(t.x) for t in fig.data] == [[1, 2], [1, 2], [1, 8, 1024]]
-    assert list(fig.data[2].y) == [1.0, 10 / 11, 0.5]
-    with pytest.raises(ValueError, match="step times must be positive"):
-        efficiency({1: 0.0, 2: 5.0})

@@ -10,8 +10,6 @@ from dplab.viz.mechanics import (
     traffic_figure,
 )
 from dplab.viz.memory import fit_figure, memory_bars, memory_vs_world_size, world_size_curves
-from dplab.viz.regime import regime_figure
-from dplab.viz.scaling import efficiency, scaling_figure
 from dplab.viz.sharded import zero3_cost_figure
 from dplab.viz.sweep import sweep_figure
 from dplab.viz.timeline import timeline_figure
@@ -20,16 +18,13 @@ __all__ = [
     "activation_memory_figure",
     "bandwidth_figure",
     "bucket_map_figure",
-    "efficiency",
     "fit_figure",
     "loss_curves_figure",
     "memory_bars",
     "memory_vs_world_size",
     "naive_vs_ring_figure",
     "parallel3d_figure",
-    "regime_figure",
     "ring_step_figure",
-    "scaling_figure",
     "sweep_figure",
     "timeline_figure",
     "traffic_figure",

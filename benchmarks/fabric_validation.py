@@ -38,6 +38,8 @@ from dplab.sim.validation import (
     Prediction,
     Row,
     band_errors,
+    band_line,
+    class_errors,
     fabric_of,
     fit_calibration,
     forced_algorithm,
@@ -56,14 +58,20 @@ TRAIN_IDS = (
     "aws-p4de-2node-efa1",
     "aws-p3dn-2node-efa",
     "nccl-812-dgxa100-2node-ring",
+    "stas00-h200-1node-nccltests",
+    "gke-h200-2node-1gpu-rdma",
+    "nebius-h100-2node-ib",
+    "azure-nc48v4-a100pcie-2gpu-nvlink",
+    "oci-bm-gpu4.8-a100-2node-roce",
 )
 # (band, what the issue asks); "factor" goals are on the median factor, "error" on the median
 GOALS = {
     "≤ 64 KiB": ("median factor", 1.5),
     "1–32 MiB": ("median error", 0.15),
-    "≥ 64 MiB": ("median error", 0.15),
+    "≥ 64 MiB": ("median error", 0.10),
 }
 WORST_GOAL = 1.5  # every row at ≥ 1 MiB within 1.5×
+SMALL_WORST_GOAL = 3.0  # every row ≤ 64 KiB within 3×
 CALIBRATION_GOAL = 0.10  # a user's own log: median error per band
 
 
@@ -82,6 +90,12 @@ FITTED_TO = {
     "efa": "NCCL's latencyInter per EFA hop, µs: multi-node EFA rows ≤ 64 KiB",
     "ib": "the same for InfiniBand and RoCE, µs: multi-node IB rows ≤ 64 KiB",
     "fill_slices": "Simple pipeline fill, 1 MiB slices at one channel's speed: all rows",
+    "LL latency": "factor on NCCL's LL latencies: one-node LL rows ≤ 64 KiB, one GPU per process",
+    "LL128 latency": "the same for LL128: one-node rows 64 KiB–64 MiB on LL128",
+    "Simple latency": "the same for Simple: one-node rows 64 KiB–64 MiB on Simple",
+    "LL bandwidth": "factor on NCCL's LL bandwidth: rows 64 KiB–64 MiB on LL",
+    "LL128 bandwidth": "the same for LL128: rows 64 KiB–64 MiB on LL128",
+    "launch_us_per_gpu": "µs per extra GPU one process drives (-g): one-node -g rows ≤ 64 KiB",
 }
 
 
@@ -92,6 +106,9 @@ def constants_table(cal: Calibration) -> str:
         "efa": cal.net_latency_us["efa"],
         "ib": cal.net_latency_us["ib"],
         "fill_slices": cal.fill_slices,
+        **{f"{p} latency": v for p, v in cal.proto_latency.items()},
+        **{f"{p} bandwidth": v for p, v in cal.proto_bw.items()},
+        "launch_us_per_gpu": cal.launch_us_per_gpu,
     }
     rows = [f"| `{k}` | {v:g} | {FITTED_TO[k]} |" for k, v in vals.items()]
     return "\n".join(["| constant | value | what, fitted to |", "|---|---:|---|", *rows])
@@ -100,8 +117,9 @@ def constants_table(cal: Calibration) -> str:
 def fold_table(preds: Sequence[Prediction]) -> str:
     """The constants each leave-one-source-out fold fitted (on the other sources)."""
     lines = [
-        "| held-out source | bw_efficiency | nvls_efficiency | efa µs | ib µs | fill_slices |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| held-out source | bw_efficiency | nvls_efficiency | efa µs | ib µs | fill_slices "
+        "| latency LL/LL128/Simple | bw LL/LL128 | launch µs/GPU |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     seen = {}
     for p in preds:
@@ -110,7 +128,9 @@ def fold_table(preds: Sequence[Prediction]) -> str:
         lat = c.net_latency_us
         lines.append(
             f"| {src} | {c.bw_efficiency:g} | {c.nvls_efficiency:g} | {lat['efa']:g} | "
-            f"{lat['ib']:g} | {c.fill_slices:g} |"
+            f"{lat['ib']:g} | {c.fill_slices:g} | "
+            f"{'/'.join(f'{v:g}' for v in c.proto_latency.values())} | "
+            f"{'/'.join(f'{v:g}' for v in c.proto_bw.values())} | {c.launch_us_per_gpu:g} |"
         )
     return "\n".join(lines)
 
@@ -137,16 +157,59 @@ def band_table(bands: Sequence[BandError], goals: dict[str, tuple[str, float]]) 
 
 
 def worst_rows_text(preds: Sequence[Prediction], limit: float = WORST_GOAL) -> str:
-    """Rows at ≥ 1 MiB outside ``limit``×: the issue asks for none."""
-    bad = [p for p in preds if p.row.nbytes >= 2**20 and max(p.ratio, 1 / p.ratio) > limit]
+    """Rows at ≥ 1 MiB outside ``limit``× (the issue asks for none), rows ≤ 64 KiB outside
+    3×, and the runs kept out of the bands, named."""
+    small = [p for p in preds if p.row.nbytes <= 64 * 2**10 and not p.row.excluded]
+    worst_small = max(max(p.ratio, 1 / p.ratio) for p in small)
+    head = [
+        f"- every row ≤ 64 KiB within {SMALL_WORST_GOAL:g}×: "
+        f"{'met' if worst_small <= SMALL_WORST_GOAL else '**not met**'} (worst ×{worst_small:.2f})"
+    ]
+    for run, why in dict.fromkeys((p.row.run, p.row.excluded) for p in preds if p.row.excluded):
+        rs = [p for p in preds if p.row.run == run and p.row.nbytes >= 64 * 2**20]
+        lo, hi = min(p.ratio for p in rs), max(p.ratio for p in rs)
+        head.append(
+            f"- kept out of the bands and fits: {run} ({why}); ≥ 64 MiB ×{lo:.2f}–×{hi:.2f}"
+        )
+    for run, (b, us) in dict.fromkeys(
+        (p.row.run, p.row.plateau) for p in preds if p.row.plateau is not None
+    ):
+        head.append(
+            f"- {run}: no NIC fields in the source, NICs calibrated on its own plateau "
+            f"({_fmt_size(b)}, {us:,.0f} µs), which is then not a row"
+        )
+    bad = [
+        p
+        for p in preds
+        if p.row.nbytes >= 2**20 and max(p.ratio, 1 / p.ratio) > limit and not p.row.excluded
+    ]
     if not bad:
-        return f"- every row at ≥ 1 MiB is within {limit:g}×"
-    return "\n".join(
-        f"- outside {limit:g}× at ≥ 1 MiB: {p.row.run} @ {_fmt_size(p.row.nbytes)}: "
-        f"predicted {p.predicted_us:,.1f} µs, measured {p.row.measured_us:,.1f} µs "
-        f"(×{p.ratio:.2f})"
-        for p in sorted(bad, key=lambda p: p.ratio)
+        return "\n".join([*head, f"- every row at ≥ 1 MiB is within {limit:g}×"])
+    return (
+        "\n".join(head)
+        + "\n"
+        + "\n".join(
+            f"- outside {limit:g}× at ≥ 1 MiB: {p.row.run} @ {_fmt_size(p.row.nbytes)}: "
+            f"predicted {p.predicted_us:,.1f} µs, measured {p.row.measured_us:,.1f} µs "
+            f"(×{p.ratio:.2f})"
+            for p in sorted(bad, key=lambda p: p.ratio)
+        )
     )
+
+
+def class_table(preds: Sequence[Prediction]) -> str:
+    """Leave one source out by kind of box and message size."""
+    lines = [
+        "| box | message size | rows | median error | median factor | worst | worst row |",
+        "|---|---|--:|--:|--:|--:|---|",
+    ]
+    for box, bands in class_errors(p for p in preds if not p.row.excluded).items():
+        for b in bands:
+            lines.append(
+                f"| {box} | {b.band} | {b.rows} | {b.median_error:.1%} | ×{b.median_factor:.2f} "
+                f"| ×{b.worst_factor:.2f} | {b.worst_row} |"
+            )
+    return "\n".join(lines)
 
 
 def rows_table(preds: Sequence[Prediction]) -> str:
@@ -156,7 +219,7 @@ def rows_table(preds: Sequence[Prediction]) -> str:
     ]
     for p in preds:
         r = p.row
-        fab = r.fabric.with_calibration(p.calibration)
+        fab = r.fabric_with(p.calibration)
         a, proto = fab.choice(r.nbytes, r.algorithm)
         lines.append(
             f"| {r.config} | {r.run} | {r.source} | {r.algorithm} | {_fmt_size(r.nbytes)} | "
@@ -172,6 +235,7 @@ def shipped_summary(rows: Sequence[Row]) -> str:
     for label, keep in (("training runs", True), ("held-out runs", False)):
         sel = [r for r in rows if (r.run in TRAIN_IDS) == keep]
         preds = [Prediction(r, r.ratio() * r.measured_us, DEFAULT_CALIBRATION) for r in sel]
+        preds = [p for p in preds if not p.row.excluded]
         for b in band_errors(preds):
             out.append(
                 f"- {label}, {b.band}: {b.rows} rows, median |error| {b.median_error:.1%} "
@@ -225,7 +289,10 @@ def report(rows: Sequence[Row]) -> tuple[str, dict[str, str]]:
     cal_goals = dict.fromkeys(
         ("≤ 64 KiB", "64 KiB–1 MiB", "1–32 MiB", "≥ 64 MiB"), ("median error", CALIBRATION_GOAL)
     )
-    loso_text = f"{band_table(band_errors(loso), GOALS)}\n\n{worst_rows_text(loso)}"
+    loso_text = (
+        f"{band_line(band_errors(loso))}\n\n{band_table(band_errors(loso), GOALS)}\n\n"
+        f"{worst_rows_text(loso)}"
+    )
     mine_text = band_table(band_errors(mine), cal_goals)
     by_source = []
     for src in dict.fromkeys(p.row.source for p in mine):
@@ -237,9 +304,13 @@ def report(rows: Sequence[Row]) -> tuple[str, dict[str, str]]:
             )
     head = "| the user's log | message size | rows | median error | worst | ≤ 10 % |"
     mine_text += "\n\n" + "\n".join([head, "|---|---|--:|--:|--:|---|", *by_source])
-    summary = f"leave one source out:\n{loso_text}\n\nyour own log (alternate rows):\n{mine_text}"
+    summary = (
+        f"leave one source out:\n{loso_text}\n\nby kind of box:\n{class_table(loso)}\n\n"
+        f"your own log (alternate rows):\n{mine_text}"
+    )
     sections = {
         "Leave one source out (the model on clusters it never saw)": loso_text,
+        "By kind of box (leave one source out)": class_table(loso),
         "Constants each fold fitted (on the other sources)": fold_table(loso),
         "Your own log (fit on alternate rows, predict the others)": mine_text,
         "Shipped constants (`Calibration` defaults, fitted on `TRAIN_IDS`)": (

@@ -17,17 +17,25 @@ from collections import Counter
 import pytest
 
 from dplab.sim import Fabric
+from dplab.sim.nccl_model import DEFAULT_CALIBRATION
 from dplab.sim.nccl_tests import format_nccl_tests
 from dplab.sim.validation import band_of, published_rows, self_calibration
 
 GOAL = 0.10
-# (source, band): median error measured on 2026-12-02 with the shipped model
+# (source, band): median error measured on 2026-12-04 with the shipped model (the graph-file
+# run, a configuration the model has no setting for, is left out: test_fabric_loso names it)
 SHORT = {
     ("aws-samples/awsome-distributed-training", "≤ 64 KiB"): "14.5 %: 8 B ×1.34, 32 KiB ×0.86",
-    ("aws-samples/awsome-distributed-training", "1–32 MiB"): "29.6 %: 1 MiB ×1.36, 16 MiB ×0.77",
-    ("stas00/ml-engineering", "1–32 MiB"): "14.5 %: A100 1 MiB ×0.67 (-g 8), H200 1 MiB ×1.22",
+    ("aws-samples/awsome-distributed-training", "1–32 MiB"): "35.5 %: 1 MiB ×1.48, 16 MiB ×0.77",
+    ("stas00/ml-engineering", "1–32 MiB"): "13.7 %: A100 16 MiB ×0.84 (-g 8), H200 1 MiB ×1.17",
     ("Azure/AI-benchmarking-guide", "≤ 64 KiB"): "19.2 %: NVLS 1 KiB ×1.31, 64 KiB ×0.81",
     ("Azure/AI-benchmarking-guide", "1–32 MiB"): "10.8 %: NVLS 16 MiB ×1.15",
+    ("ngcxy/dranet", "≤ 64 KiB"): "11.3 %: GKE 1 GPU/node 16 KiB ×0.81, 64 KiB ×0.84",
+    ("ngcxy/dranet", "64 KiB–1 MiB"): "20.4 %: GKE 512 KiB ×1.44, 128 KiB ×1.20",
+    ("ngcxy/dranet", "1–32 MiB"): "22.7 %: GKE 32 MiB ×0.74, 1 MiB ×1.31",
+    ("dstackai/dstack", "64 KiB–1 MiB"): "12.0 %: Nebius 512 KiB ×0.71, 128 KiB ×1.12",
+    ("JingchaoZhang/JingchaoZhang.github.io", "64 KiB–1 MiB"): "22.7 %: 512 KiB ×1.36 (LL→Simple)",
+    ("oracle-japan/ocitutorials", "1–32 MiB"): "12.7 %: 2 MiB ×1.59, 1 MiB ×1.54 (noisy RoCE run)",
 }
 
 
@@ -37,7 +45,7 @@ def own_log_predictions():
 
 
 def _cases():
-    rows = published_rows()
+    rows = [r for r in published_rows() if not r.excluded]
     seen = dict.fromkeys((r.source, band_of(r.nbytes)) for r in rows)
     for source, band in seen:
         marks = []
@@ -50,7 +58,9 @@ def _cases():
 @pytest.mark.parametrize(("source", "band"), list(_cases()))
 def test_your_own_log_predicts_its_other_rows(own_log_predictions, source, band):
     preds = [
-        p for p in own_log_predictions if p.row.source == source and band_of(p.row.nbytes) == band
+        p
+        for p in own_log_predictions
+        if p.row.source == source and band_of(p.row.nbytes) == band and not p.row.excluded
     ]
     assert preds
     errors = [abs(p.ratio - 1) for p in preds]
@@ -63,7 +73,7 @@ def test_every_row_is_predicted_by_a_fit_that_never_saw_it(own_log_predictions):
     assert len(own_log_predictions) == sum(n for n in per_run.values() if n > 1)
     p4de = sorted((r for r in rows if r.run == "aws-p4de-2node-efa1"), key=lambda r: r.nbytes)
     fit_on = [{"size_bytes": r.nbytes, "time_s": r.measured_us * 1e-6} for r in p4de[0::2]]
-    fab = p4de[0].fabric.calibrated_from(fit_on)
+    fab = p4de[0].fabric_with(DEFAULT_CALIBRATION).calibrated_from(fit_on)
     got = {p.row.nbytes: p.predicted_us for p in own_log_predictions if p.row.run == p4de[0].run}
     for r in p4de[1::2]:  # the odd rows come from the fit on the even ones
         assert got[r.nbytes] == pytest.approx(fab.allreduce_s(r.nbytes) * 1e6, rel=1e-12)

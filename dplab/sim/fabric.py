@@ -29,6 +29,7 @@ one NIC per GPU (DGX's rail-optimised design); NIC speed of the DGX of that gene
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
@@ -37,17 +38,19 @@ from typing import Any
 from dplab._checks import check_choice, check_nonneg, check_positive, check_positive_int
 from dplab.sim.contention import Contention
 from dplab.sim.fit import fit_constants, measured_points
+from dplab.sim.hardware import ACROSS, GPUS, INTRA_NODE, PRESETS, GpuSpec
+from dplab.sim.hardware import intra_node as intra_node_path
 from dplab.sim.levels import Levels, LevelsModel
 from dplab.sim.nccl_model import (
     ALGORITHMS,
     DEFAULT_CALIBRATION,
     NET_BW_PER_100GBIT,
-    NVLINK_BW_PER_LINK,
-    PCI_BW,
     PROTOCOLS,
     Calibration,
+    NcclModel,
     Topology,
 )
+from dplab.sim.nccl_tests import parse_nccl_tests
 from dplab.sim.profile import BackwardProfile
 
 GB = 1e9
@@ -58,27 +61,11 @@ GB = 1e9
 # arXiv:2507.03114, abstract).
 NCCL_OVERLAP_SLOWDOWN = 0.189
 NETWORKS = ("ib", "roce", "efa", "tcp")
-INTRA = ("nvswitch", "nvlink", "pcie")
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    gen: str
-    nvlinks: int
-    intra: str
-    gpus_per_node: int
-    nic_gbps: float
-
-
-GPUS: dict[str, GpuSpec] = {
-    "v100": GpuSpec("volta", 6, "nvlink", 8, 100),  # DGX-1V: hybrid cube-mesh, no NVSwitch
-    "a100": GpuSpec("ampere", 12, "nvswitch", 8, 200),
-    "h100": GpuSpec("hopper", 18, "nvswitch", 8, 400),
-    "h200": GpuSpec("hopper", 18, "nvswitch", 8, 400),
-    "h20": GpuSpec("hopper", 18, "nvswitch", 8, 400),
-    "b200": GpuSpec("blackwell", 18, "nvswitch", 8, 400),
-    "gb200": GpuSpec("blackwell", 18, "nvswitch", 72, 400),
-}
+INTRA = INTRA_NODE  # the kinds of node (dplab.sim.hardware); "nvlink" is V100's cube-mesh
+__all__ = [
+    "GPUS", "INTRA", "NCCL_OVERLAP_SLOWDOWN", "NETWORKS", "PRESETS", "Fabric", "GpuSpec",
+    "busbw_from_time", "overlap_contention", "with_straggler",
+]  # fmt: skip
 
 
 def overlap_contention(slowdown: float = NCCL_OVERLAP_SLOWDOWN) -> Contention:
@@ -128,23 +115,6 @@ def _name(name: str, value: Any, options: Sequence[str]) -> str:
 
 
 @dataclass(frozen=True)
-class NcclModel:
-    """NCCL's cost model (:class:`~dplab.sim.nccl_model.Topology`) in seconds."""
-
-    topology: Topology
-
-    def available(self) -> tuple[str, ...]:
-        return self.topology.available()
-
-    def best_s(self, nbytes: float, algorithm: str = "auto") -> tuple[str, str, float]:
-        """The fastest (algorithm, protocol, seconds); ``algorithm`` limits the choice."""
-        if self.topology.nranks == 1 or nbytes == 0:
-            return ("ring" if algorithm == "auto" else algorithm, "Simple", 0.0)
-        a, p, us = self.topology.best(nbytes, algorithm)
-        return a, p, us * 1e-6
-
-
-@dataclass(frozen=True)
 class Fabric:
     """A cluster for the all-reduce: see the module docstring; build with :meth:`from_hardware`,
     :meth:`preset`, :meth:`fit` or :meth:`from_levels`, calibrate with :meth:`calibrated_from`.
@@ -164,7 +134,9 @@ class Fabric:
     network: str = "measured"
     intra: str = "measured"
     intra_GBps: float = 0.0
+    intra_paths: tuple[tuple[str, float], ...] = ()
     cpu: str = "intel"
+    gpus_per_process: int = 1
     calibration: Calibration = DEFAULT_CALIBRATION
     levels: Levels | None = None
     source: str = ""
@@ -179,7 +151,7 @@ class Fabric:
             _name("gpu", self.gpu, tuple(GPUS))
             _name("network", self.network, NETWORKS)
             _name("intra", self.intra, INTRA)
-            _name("cpu", self.cpu, ("intel", "amd"))
+            _name("cpu", self.cpu, ("intel", "intel-spr", "intel-emr", "amd"))
             if self.nodes > 1:
                 check_positive_int("nics_per_node", self.nics_per_node)
                 check_positive("nic_gbps", self.nic_gbps)
@@ -196,9 +168,14 @@ class Fabric:
         nic_gbps: float | None = None,
         network: str = "ib",
         *,
+        intra_node: str | None = None,
         intra: str | None = None,
+        pcie_gen: int | None = None,
+        pcie_across: str = "switch",
         pcie_GBps: float | None = None,
+        bridge_GBps: float | None = None,
         cpu: str = "intel",
+        gpus_per_process: int = 1,
         calibration: Calibration = DEFAULT_CALIBRATION,
         net_latency_us: float | None = None,
         name: str | None = None,
@@ -206,11 +183,18 @@ class Fabric:
     ) -> Fabric:
         """A fabric from its parts; every default is the GPU's (see :data:`GPUS`).
 
-        ``intra``: ``nvswitch`` (all GPUs of a node on NVSwitches: NVLS possible from Hopper),
-        ``nvlink`` (direct NVLink, as V100's cube-mesh) or ``pcie`` (``pcie_GBps`` per GPU,
-        default NCCL's Gen3 x16 12 GB/s). ``network``: ib, roce, efa or tcp. ``net_latency_us``:
-        the network's cost per inter-node hop, µs, when you know it (NCCL's source does not
-        give it; default the calibration's, fitted to published runs on that network).
+        ``intra_node`` (``intra`` is the same, its older name): ``nvswitch`` (SXM boards: all
+        GPUs on NVSwitches, NVLS from Hopper on), ``nvlink-pairs`` (PCIe cards NVLink-bridged
+        two by two; a ring over more than one pair crosses PCIe, its slowest hop), ``pcie``
+        (no NVLink) or ``nvlink`` (V100's cube-mesh); default what the GPU ships in (SXM:
+        NVSwitch, a PCIe card: PCIe). The PCIe hop: ``pcie_gen`` (default the GPU's; x16 is
+        NCCL's 12/24/48 GB/s for Gen3/4/5), ``pcie_across`` ``switch`` or ``sockets`` (then
+        the CPUs' link, NCCL's per ``cpu``: ``intel``, ``intel-spr``, ``intel-emr``, ``amd``),
+        or give ``pcie_GBps``; ``bridge_GBps`` overrides the NVLink bridge's.
+        ``network``: ib, roce, efa or tcp; ``nics_per_node`` default one per GPU.
+        ``net_latency_us``: the network's cost per inter-node hop, µs, when you know it (NCCL's
+        source does not give it; default the calibration's, fitted to published runs).
+        ``gpus_per_process``: nccl-tests' ``-g`` (one thread launching on several GPUs).
         """
         g = _name("gpu", gpu, tuple(GPUS))
         spec = GPUS[g]
@@ -219,12 +203,23 @@ class Fabric:
         nodes = check_positive_int("nodes", nodes)
         nics = ppn if nics_per_node is None else check_positive_int("nics_per_node", nics_per_node)
         gbps = spec.nic_gbps if nic_gbps is None else check_positive("nic_gbps", nic_gbps)
-        kind = spec.intra if intra is None else _name("intra", intra, INTRA)
+        if intra is not None and intra_node is not None and intra != intra_node:
+            raise ValueError(f"give intra_node or intra, not both ({intra_node!r}, {intra!r})")
+        asked = intra_node if intra_node is not None else intra
+        kind = spec.intra if asked is None else _name("intra", asked, INTRA)
+        path = intra_node_path(
+            spec,
+            kind,
+            ppn,
+            pcie_gen=pcie_gen,
+            pcie_across=check_choice("pcie_across", pcie_across, ACROSS),
+            cpu=_name("cpu", cpu, ("intel", "intel-spr", "intel-emr", "amd")),
+            bridge_GBps=None if bridge_GBps is None else check_positive("bridge_GBps", bridge_GBps),
+            pcie_GBps_override=None
+            if pcie_GBps is None
+            else check_positive("pcie_GBps", pcie_GBps),
+        )
         net = _name("network", network, NETWORKS)
-        if kind == "pcie":
-            intra_bw = PCI_BW if pcie_GBps is None else check_positive("pcie_GBps", pcie_GBps)
-        else:
-            intra_bw = spec.nvlinks * NVLINK_BW_PER_LINK[spec.gen]
         if net_latency_us is not None:
             lat = check_nonneg("net_latency_us", net_latency_us)
             calibration = calibration.with_(net_latency_us={**calibration.net_latency_us, net: lat})
@@ -240,8 +235,10 @@ class Fabric:
             nic_gbps=gbps,
             network=net,
             intra=kind,
-            intra_GBps=intra_bw,
+            intra_GBps=path.ring_GBps,
+            intra_paths=path.paths,
             cpu=cpu,
+            gpus_per_process=check_positive_int("gpus_per_process", gpus_per_process),
             calibration=calibration,
             source=source,
         )
@@ -324,15 +321,25 @@ class Fabric:
             ppn=self.gpus_per_node,
             nodes=self.nodes,
             intra_bw=self.intra_GBps,
-            intra_hw="pci" if self.intra == "pcie" else "nvlink",
+            intra_hw=self.intra_hw,
             nvswitch=self.intra == "nvswitch",
             net_bw=self.nics_per_node * self.nic_gbps / 100 * NET_BW_PER_100GBIT,
             nic_bw=self.nic_gbps / 100 * NET_BW_PER_100GBIT,
             net=self.network,
-            cpu=self.cpu,
+            cpu="amd" if self.cpu == "amd" else "intel",
+            launch_gpus=self.gpus_per_process,
             protocols=self.protocols,
             calibration=self.calibration,
         )
+
+    @property
+    def intra_hw(self) -> str:
+        """NCCL's hardware class of the ring's intra-node path: ``nvlink`` when every hop is
+        NVLink (NVSwitch, cube-mesh, one bridged pair), ``pci`` when the ring crosses PCIe
+        (``tuning.cc``: ``typeIntra == LINK_NVL ? NCCL_HW_NVLINK : NCCL_HW_PCI``, line 285)."""
+        if self.intra == "pcie" or (self.intra == "nvlink-pairs" and self.gpus_per_node > 2):
+            return "pci"
+        return "nvlink"
 
     @property
     def protocols(self) -> tuple[str, ...]:
@@ -405,9 +412,13 @@ class Fabric:
             if self.nodes > 1
             else ""
         )
+        paths = (
+            " + ".join(f"{p} {bw:.0f}" for p, bw in self.intra_paths) or f"{self.intra_GBps:.0f}"
+        )
+        intra = f"{self.intra}: {paths} GB/s per GPU" if self.gpus_per_node > 1 else "1 GPU"
         return (
             f"{self.name}: {self.world_size:,} × {self.gpu.upper()} ({self.gpus_per_node}/node, "
-            f"{self.intra} {self.intra_GBps:.0f} GB/s per GPU{nics}), NCCL algorithms: "
+            f"{intra}{nics}), NCCL algorithms: "
             f"{', '.join(self.algorithms())}"
         )
 
@@ -419,6 +430,17 @@ class Fabric:
         return d
 
     # -- calibration -----------------------------------------------------------------------
+    def _fitted(self, points: list[tuple[float, float]], algorithm: str) -> Fabric:
+        def predict(cal: Calibration, nbytes: float) -> float:
+            return self.with_calibration(cal).allreduce_s(nbytes, algorithm=algorithm)
+
+        cal, what = fit_constants(self.calibration, predict, points)
+        return replace(
+            self.with_calibration(cal),
+            name=f"{self.name} (fitted)",
+            source="; ".join(s for s in (self.source, what) if s),
+        )
+
     @classmethod
     def fit(
         cls,
@@ -445,7 +467,83 @@ class Fabric:
                 f"the measurements are from {ranks} ranks but the fabric has "
                 f"{base.world_size} ({base.gpus_per_node} × {base.nodes}): set gpus_per_node/nodes"
             )
-        return fit_constants(base, points, algorithm)
+        return base._fitted(points, algorithm)
+
+    @classmethod
+    def from_nccl_tests_log(
+        cls,
+        log: str,
+        gpu: str = "h100",
+        gpus_per_node: int | None = None,
+        *,
+        nics_per_node: int | None = None,
+        nic_gbps: float | None = None,
+        network: str = "ib",
+        algorithm: str = "auto",
+        **hardware: Any,
+    ) -> Fabric:
+        """Your own box, from your own ``all_reduce_perf`` log: the log's ``# Rank`` lines give
+        the ranks (so the node count, at ``gpus_per_node``), its header's ``nGpus`` the GPUs
+        each process drives; then :meth:`calibrated_from` fits the constants to its rows.
+
+        On several nodes with no ``nic_gbps`` given, the NICs' speed is calibrated first from
+        the log's own largest message (its bandwidth plateau), and the fabric's ``source`` says
+        so: the large sizes then say nothing about the model, only about your NICs.
+        """
+        run = parse_nccl_tests(log)
+        spec_ppn = GPUS[_name("gpu", gpu, tuple(GPUS))].gpus_per_node
+        ppn = check_positive_int("gpus_per_node", gpus_per_node or spec_ppn)
+        ranks = run.ranks or ppn
+        if ranks % ppn:
+            raise ValueError(
+                f"the log is from {ranks} ranks, not a whole number of {ppn}-GPU nodes: "
+                "set gpus_per_node"
+            )
+        base = cls.from_hardware(
+            gpu, ppn, ranks // ppn, nics_per_node, nic_gbps, network,
+            gpus_per_process=run.gpus_per_process or 1, **hardware,
+        )  # fmt: skip
+        if base.nodes > 1 and nic_gbps is None:
+            big = max(run.rows, key=lambda r: r.bytes)
+            base = base.with_nics_from_plateau(big.bytes, big.time_us * 1e-6, algorithm)
+        return base.calibrated_from(log, algorithm=algorithm)
+
+    def with_nics_from_plateau(
+        self, nbytes: float, seconds: float, algorithm: str = "auto"
+    ) -> Fabric:
+        """This fabric with its NICs' speed set so that an all-reduce of ``nbytes`` (a sweep's
+        largest, on its bandwidth plateau) takes the measured ``seconds``: how a run whose
+        source gives no NIC fields is calibrated rather than skipped. ``source`` says so.
+
+        Where the NICs are not what limits the plateau (NVLS inside the node is), the slowest
+        NIC speed that reaches it is taken: the data cannot tell faster ones apart.
+        """
+        check_positive("nbytes", nbytes)
+        check_positive("seconds", seconds)
+        if self.nodes == 1:
+            raise ValueError(f"{self.name} is one node: it has no NICs to calibrate")
+
+        def at(gbps: float) -> Fabric:
+            return replace(self, nic_gbps=gbps, _cache={})
+
+        def t(gbps: float) -> float:
+            return at(gbps).allreduce_s(nbytes, algorithm=algorithm)
+
+        lo, hi = 1.0, 12800.0  # Gb/s per NIC
+        floor = t(hi)
+        if t(lo) < seconds:
+            gbps = lo
+        else:
+            target = max(seconds, floor * 1.005)  # a limit elsewhere: the slowest NIC reaching it
+            for _ in range(60):
+                mid = math.sqrt(lo * hi)
+                lo, hi = (mid, hi) if t(mid) > target else (lo, mid)
+            gbps = hi
+        note = (
+            f"NIC speed calibrated from the sweep's own plateau: {gbps:.0f} Gb/s per NIC "
+            f"makes {nbytes / 2**20:,.0f} MiB take the measured {seconds * 1e6:,.0f} µs"
+        )
+        return replace(at(gbps), source="; ".join(s for s in (self.source, note) if s))
 
     def calibrated_from(
         self, data: str | Iterable[Any] | Mapping[str, Any], *, algorithm: str = "auto"
@@ -473,43 +571,5 @@ class Fabric:
                     f"{self.gpus_per_node}-GPU nodes of {self.name}"
                 )
             at = self.with_nodes(ranks // self.gpus_per_node)
-        fitted = fit_constants(at, points, algorithm)
+        fitted = at._fitted(points, algorithm)
         return replace(fitted, nodes=self.nodes, _cache={})
-
-
-# name → (from_hardware arguments, source)
-PRESETS: dict[str, tuple[dict[str, Any], str]] = {
-    "dgx-a100": (
-        {"gpu": "a100", "nics_per_node": 8, "nic_gbps": 200, "network": "ib"},
-        "NVIDIA DGX A100: 8 × A100 SXM4 on NVSwitch, 8 × 200 Gb/s HDR InfiniBand (datasheet)",
-    ),
-    "dgx-h100": (
-        {"gpu": "h100", "nics_per_node": 8, "nic_gbps": 400, "network": "ib"},
-        "NVIDIA DGX H100: 8 × H100 SXM5 on NVSwitch, 8 × 400 Gb/s NDR (ConnectX-7) (datasheet)",
-    ),
-    "dgx-b200": (
-        {"gpu": "b200", "nics_per_node": 8, "nic_gbps": 400, "network": "ib"},
-        "NVIDIA DGX B200: 8 × B200 on NVLink 5 switches, 8 × 400 Gb/s ConnectX-7 (datasheet)",
-    ),
-    "aws-p4d": (
-        {"gpu": "a100", "nics_per_node": 4, "nic_gbps": 100, "network": "efa"},
-        "AWS p4d.24xlarge: 8 × A100 40GB on NVSwitch, 400 Gb/s EFA as 4 × 100 Gb/s (AWS spec)",
-    ),
-    "aws-p5": (
-        {"gpu": "h100", "nics_per_node": 32, "nic_gbps": 100, "network": "efa"},
-        "AWS p5.48xlarge: 8 × H100 on NVSwitch, 3,200 Gb/s EFA as 32 × 100 Gb/s (AWS spec)",
-    ),
-    "aws-p5en": (
-        {"gpu": "h200", "nics_per_node": 16, "nic_gbps": 200, "network": "efa"},
-        "AWS p5en.48xlarge: 8 × H200, 3,200 Gb/s EFAv3 as 16 × 200 Gb/s (AWS spec)",
-    ),
-    "gcp-a3": (
-        {"gpu": "h100", "nics_per_node": 8, "nic_gbps": 200, "network": "tcp"},
-        "Google Cloud A3 Mega (a3-megagpu-8g): 8 × H100, 8 × 200 Gb/s GPUDirect-TCPXO NICs "
-        "(GCP docs); TCPXO's latency is not calibrated (network 'tcp' is an assumption)",
-    ),
-    "azure-nd-h100-v5": (
-        {"gpu": "h100", "nics_per_node": 8, "nic_gbps": 400, "network": "ib"},
-        "Azure ND H100 v5: 8 × H100 on NVSwitch, 8 × 400 Gb/s NDR InfiniBand (Azure docs)",
-    ),
-}

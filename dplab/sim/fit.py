@@ -1,6 +1,7 @@
 """Fitting a fabric's constants to measured all-reduce times (a user's nccl-tests log, or
 ``python -m dplab bandwidth`` rows): the machinery behind :meth:`dplab.sim.Fabric.fit` and
-:meth:`dplab.sim.Fabric.calibrated_from`.
+:meth:`dplab.sim.Fabric.calibrated_from`. It takes a prediction function, not a fabric, so the
+imports point one way: ``fabric`` imports this module, never the reverse.
 
 The models are piecewise smooth (a minimum over algorithms and protocols), so the fit is a
 coordinate-wise search in log space with a coarse scan first, deterministic and dependency-free.
@@ -9,22 +10,21 @@ coordinate-wise search in log space with a coarse scan first, deterministic and 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from dplab.sim.nccl_model import Calibration
 from dplab.sim.nccl_tests import NcclTestsRow, parse_nccl_tests
 
-if TYPE_CHECKING:
-    from dplab.sim.fabric import Fabric
-
 
 def fit_constants(
-    base: Fabric, points: Sequence[tuple[float, float]], algorithm: str = "auto"
-) -> Fabric:
-    """``base`` with bandwidth, latency (and, from 3 points, pipeline fill) fitted to points."""
-    cal0 = base.calibration
+    cal0: Calibration,
+    predict: Callable[[Calibration, float], float],
+    points: Sequence[tuple[float, float]],
+) -> tuple[Calibration, str]:
+    """``cal0`` with bandwidth, latency (and, from 3 points, pipeline fill) fitted so that
+    ``predict(calibration, bytes)`` (seconds) meets the measured ``points``; and a sentence
+    saying what was fitted. Knows nothing of fabrics: the caller says how to predict."""
     top = 2.0 / max(cal0.bw_efficiency, cal0.nvls_efficiency)
 
     def cal_of(x: Sequence[float]) -> Calibration:
@@ -36,8 +36,8 @@ def fit_constants(
         )
 
     def err(x: Sequence[float]) -> float:
-        f = base.with_calibration(cal_of(x))
-        return sum(math.log(f.allreduce_s(b, algorithm=algorithm) / t) ** 2 for b, t in points)
+        cal = cal_of(x)
+        return sum(math.log(predict(cal, b) / t) ** 2 for b, t in points)
 
     x0 = [1.0, 1.0, cal0.fill_slices + 1e-3]
     bounds = [(0.05, top), (0.02, 50.0), (1e-3, 50.0)]
@@ -49,12 +49,11 @@ def fit_constants(
         i = 0 if points[0][0] >= 2**20 else 1
         xi = minimize_log(lambda y: err([*x0[:i], y[0], *x0[i + 1 :]]), [1.0], bounds=[bounds[i]])
         x = [*x0[:i], xi[0], *x0[i + 1 :]]
-    return replace(
-        base.with_calibration(cal_of(x)),
-        name=f"{base.name} (fitted)",
-        source=f"fit to {len(points)} measured sizes: bandwidth × {x[0]:.3g}, latency × "
-        f"{x[1]:.3g}, pipeline fill {x[2] - 1e-3:.3g} slices",
+    what = (
+        f"fit to {len(points)} measured sizes: bandwidth × {x[0]:.3g}, latency × "
+        f"{x[1]:.3g}, pipeline fill {x[2] - 1e-3:.3g} slices"
     )
+    return cal_of(x), what
 
 
 def measured_points(data: Any, *, minimum: int = 2) -> tuple[list[tuple[float, float]], int | None]:

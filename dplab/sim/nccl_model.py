@@ -146,18 +146,26 @@ class Calibration:
     Defaults: fitted by ``python benchmarks/fabric_validation.py --fit`` on the training rows
     listed in that script (``TRAIN_IDS``); the held-out rows were not used. ``net_latency_us``
     maps a network kind to NCCL's ``graph->latencyInter`` (µs per inter-node hop): ``efa``
-    fitted to the p4de/p3dn 2-node small-message rows, ``ib`` and ``roce`` to the DGX A100
-    2-node ring row of NVIDIA/nccl#812; ``tcp`` is not fitted (no published row): 50 µs, a
-    kernel-socket round trip's order on a data-centre network, an assumption.
+    fitted to the p4de/p3dn 2-node small-message rows, ``ib`` and ``roce`` to the IB and RoCE
+    runs' (NVIDIA/nccl#812, Nebius, GKE, OCI); ``tcp`` is not fitted (no published row): 50 µs,
+    a kernel-socket round trip's order on a data-centre network, an assumption.
+    ``proto_latency``: a factor per protocol on NCCL's base and intra-node latencies (not the
+    network's); ``proto_bw``: a factor on LL's and LL128's bandwidth; ``launch_us_per_gpu``:
+    what a process driving g GPUs (nccl-tests ``-g``) adds per extra GPU.
     """
 
-    bw_efficiency: float = 0.968
-    nvls_efficiency: float = 0.802
-    fill_slices: float = 1.46
+    bw_efficiency: float = 0.92
+    nvls_efficiency: float = 0.782
+    fill_slices: float = 0.78
     latency_scale: float = 1.0
     net_latency_us: dict[str, float] = field(
-        default_factory=lambda: {"ib": 26.6, "roce": 26.6, "efa": 19.1, "tcp": 50.0}
+        default_factory=lambda: {"ib": 6.2, "roce": 6.2, "efa": 9.3, "tcp": 50.0}
     )
+    proto_latency: dict[str, float] = field(
+        default_factory=lambda: {"LL": 1.121, "LL128": 0.66, "Simple": 1.629}
+    )
+    proto_bw: dict[str, float] = field(default_factory=lambda: {"LL": 0.29, "LL128": 0.232})
+    launch_us_per_gpu: float = 3.665
 
     def __post_init__(self) -> None:
         for name, top in (("bw_efficiency", 2), ("nvls_efficiency", 2), ("latency_scale", 1e3)):
@@ -169,6 +177,12 @@ class Calibration:
         for k, v in self.net_latency_us.items():
             if not (isinstance(v, (int, float)) and 0 <= v < 1e6):
                 raise ValueError(f"net_latency_us[{k!r}] must be >= 0 µs, got {v!r}")
+        for name in ("proto_latency", "proto_bw"):
+            for k, v in getattr(self, name).items():
+                if k not in PROTOCOLS or not (isinstance(v, (int, float)) and 0 < v <= 100):
+                    raise ValueError(f"{name}[{k!r}] must be a protocol's factor in (0, 100]")
+        if not (isinstance(self.launch_us_per_gpu, (int, float)) and self.launch_us_per_gpu >= 0):
+            raise ValueError(f"launch_us_per_gpu must be >= 0, got {self.launch_us_per_gpu!r}")
 
     def with_(self, **kw) -> Calibration:
         return replace(self, **kw)
@@ -176,7 +190,8 @@ class Calibration:
     def __hash__(self) -> int:
         return hash(
             (self.bw_efficiency, self.nvls_efficiency, self.fill_slices, self.latency_scale,
-             tuple(sorted(self.net_latency_us.items())))
+             tuple(sorted(self.net_latency_us.items())), tuple(sorted(self.proto_latency.items())),
+             tuple(sorted(self.proto_bw.items())), self.launch_us_per_gpu)
         )  # fmt: skip
 
 
@@ -205,6 +220,7 @@ class Topology:
     nic_bw: float = 0.0
     net: str = "ib"
     cpu: str = "intel"
+    launch_gpus: int = 1
     protocols: tuple[str, ...] = PROTOCOLS
     calibration: Calibration = DEFAULT_CALIBRATION
 
@@ -278,6 +294,23 @@ class Topology:
     @cached_property
     def _ring_channels(self) -> int:
         return _channels(self, "ring")[0]
+
+
+@dataclass(frozen=True)
+class NcclModel:
+    """NCCL's cost model (:class:`~dplab.sim.nccl_model.Topology`) in seconds."""
+
+    topology: Topology
+
+    def available(self) -> tuple[str, ...]:
+        return self.topology.available()
+
+    def best_s(self, nbytes: float, algorithm: str = "auto") -> tuple[str, str, float]:
+        """The fastest (algorithm, protocol, seconds); ``algorithm`` limits the choice."""
+        if self.topology.nranks == 1 or nbytes == 0:
+            return ("ring" if algorithm == "auto" else algorithm, "Simple", 0.0)
+        a, p, us = self.topology.best(nbytes, algorithm)
+        return a, p, us * 1e-6
 
 
 def _channels(t: Topology, algo: str) -> tuple[int, float]:
@@ -354,7 +387,7 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float]]:
                     if p == "LL128":
                         f = 7.0 / 9.0 if nodes == 1 else 120.0 / 128.0
                         bus = min(bus * f, nch * PER_CH_TREE_LL128_BW[t.gen][idx2])
-                bus *= cal.bw_efficiency
+                bus *= cal.bw_efficiency * cal.proto_bw.get(p, 1.0)
             algbw = bus * (n / nsteps if a != "tree" else 0.5)
             intra_lat = HW_LATENCY_US[t.intra_hw][a][pi]
             inter_lat = HW_LATENCY_US["net"]["tree" if ppn == 1 else a][pi] + net_lat
@@ -374,12 +407,27 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float]]:
                 lat = intra_lat
             else:
                 lat += intra_lat + 2 * _log2i(nodes) * inter_lat
+            net_part = _net_part(t, a, inter_lat)
+            if a in ("ring", "tree"):  # NVLS has its own latency, not a protocol's
+                lat = (lat - net_part) * cal.proto_latency.get(p, 1.0) + net_part
+            lat += cal.launch_us_per_gpu * (t.launch_gpus - 1)
             out[(a, p)] = (
                 lat * cal.latency_scale,
                 algbw,
                 ch_bw * cal.bw_efficiency if a in ("ring", "tree") else ch_bw,
             )
     return out
+
+
+def _net_part(t: Topology, a: str, inter_lat: float) -> float:
+    """The µs of an algorithm's latency spent on network hops (NCCL's per-hop network latency
+    plus the fitted ``latencyInter``): the network has its own constant, so a protocol's
+    latency factor, fitted on one node, leaves it alone."""
+    if t.nodes == 1 or a == "nvls":
+        return 0.0
+    if a == "ring":
+        return 2 * (t.nodes - 1) * inter_lat
+    return 2 * _log2i(t.nodes) * inter_lat
 
 
 def _log2i(n: int) -> int:

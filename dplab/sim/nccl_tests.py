@@ -28,6 +28,7 @@ REDOPS = {"sum", "prod", "max", "min", "avg", "mulsum", "none"}
 _PREFIX = re.compile(r"^\s*(?:\[[^\]]*\]<\w+>:|\d+:)\s?")
 _RANK = re.compile(r"^#\s*Rank\s+(\d+)\b")
 _VERSION = re.compile(r"NCCL version\s+(\d+\.\d+\.\d+)")
+_NGPUS = re.compile(r"\bnGpus\s+(\d+)|\s-g\s+(\d+)\b")
 ASSETS_DATA = Path(__file__).resolve().parents[2] / "assets" / "data"
 PUBLISHED_JSON = ASSETS_DATA / "nccl-tests-published.json"
 
@@ -60,6 +61,7 @@ class NcclTestsRun:
     rows: list[NcclTestsRow]
     ranks: int | None
     nccl_version: str | None
+    gpus_per_process: int | None = None  # nccl-tests' -g: one thread launching on g GPUs
 
 
 def _int(tok: str) -> int | None:
@@ -116,10 +118,13 @@ def parse_nccl_tests(text: str) -> NcclTestsRun:
     rows: list[NcclTestsRow] = []
     ranks: set[int] = set()
     version = None
+    gpus: int | None = None
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = _PREFIX.sub("", raw, count=1).strip()
         if m := _VERSION.search(line):
             version = m.group(1)
+        if gpus is None and (m := _NGPUS.search(line)):
+            gpus = int(m.group(1) or m.group(2))
         if line.startswith("#"):
             if m := _RANK.match(line):
                 ranks.add(int(m.group(1)))
@@ -129,7 +134,7 @@ def parse_nccl_tests(text: str) -> NcclTestsRun:
             rows.append(row)
     if not rows:
         raise ValueError("no nccl-tests data lines found (expected 'size count type redop ...')")
-    return NcclTestsRun(rows, len(ranks) or None, version)
+    return NcclTestsRun(rows, len(ranks) or None, version, gpus)
 
 
 def format_nccl_tests(

@@ -20,16 +20,45 @@ twice too fast and one twice too slow both count as ×2.
 from __future__ import annotations
 
 import math
-import re
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
+from dplab.sim.constants_fit import UNFITTED, fit_calibration
 from dplab.sim.fabric import Fabric
-from dplab.sim.nccl_model import DEFAULT_CALIBRATION, NCCL_NET_LATENCY_US, Calibration
-from dplab.sim.nccl_tests import published_runs
+from dplab.sim.nccl_model import DEFAULT_CALIBRATION, Calibration
+from dplab.sim.published import (
+    Row,
+    box_class,
+    excluded_why,
+    fabric_of,
+    forced_algorithm,
+    published_rows,
+    source_of,
+)
+
+__all__ = [
+    "BANDS",
+    "UNFITTED",
+    "BandError",
+    "Prediction",
+    "Row",
+    "band_errors",
+    "band_line",
+    "band_of",
+    "box_class",
+    "class_errors",
+    "excluded_why",
+    "fabric_of",
+    "fit_calibration",
+    "forced_algorithm",
+    "leave_one_source_out",
+    "published_rows",
+    "self_calibration",
+    "source_of",
+    "validation_bands",
+]  # fmt: skip
 
 KIB, MIB = 2**10, 2**20
 SMALL, LARGE = 64 * KIB, 64 * MIB
@@ -41,25 +70,6 @@ BANDS: tuple[tuple[str, float, float], ...] = (
     ("1–32 MiB", MIB, LARGE - 1),
     ("≥ 64 MiB", LARGE, math.inf),
 )
-NETWORK_GROUPS = (("efa",), ("ib", "roce"))  # one latency each; RoCE rides IB's verbs plugin
-
-
-@dataclass(frozen=True)
-class Row:
-    """One published size of one run: what was measured and the fabric that run was."""
-
-    run: str
-    source: str
-    config: str
-    algorithm: str
-    nbytes: int
-    measured_us: float
-    fabric: Fabric
-
-    def ratio(self, fabric: Fabric | None = None) -> float:
-        """predicted / measured time (with ``fabric``'s constants, default the run's own)."""
-        f = fabric or self.fabric
-        return f.allreduce_s(self.nbytes, algorithm=self.algorithm) * 1e6 / self.measured_us
 
 
 @dataclass(frozen=True)
@@ -87,173 +97,7 @@ class BandError:
     worst_row: str  # "run @ size: predicted/measured"
 
 
-def source_of(run: dict[str, Any]) -> str:
-    """The source a run was quoted from: a GitHub repository (``owner/name``), a gist author
-    (``gist:owner``), or the source text itself."""
-    text = run["source"]
-    if m := re.search(r"gist\.github\.com/([^/\s]+)", text):
-        return f"gist:{m.group(1)}"
-    if m := re.search(r"github\.com/([^/\s]+)/([^/\s#]+)", text):
-        return f"{m.group(1)}/{m.group(2)}"
-    return text
-
-
-def _gpu(text: str) -> str:
-    t = text.lower()
-    for g in ("gb200", "b200", "h200", "h100", "h20", "a100", "v100"):
-        if g in t:
-            return g
-    raise ValueError(f"unknown GPU in the data: {text!r}")
-
-
-def forced_algorithm(text: str | None) -> str:
-    """The algorithm a run's source forced (``NCCL_ALGO``, ``NCCL_NVLS_ENABLE=0``), else auto."""
-    t = (text or "default").lower()
-    if t.startswith("ring") or "nvls_enable=0" in t:
-        return "ring"
-    if "forced" in t and not t.startswith("default"):
-        for a in ("nvlstree", "nvls", "tree", "ring"):
-            if t.startswith(a):
-                return a
-    return "auto"
-
-
-def fabric_of(run: dict[str, Any], calibration: Calibration = DEFAULT_CALIBRATION) -> Fabric:
-    """A published run's own hardware as a Fabric (network ``efa`` where the source says EFA,
-    ``ib`` otherwise)."""
-    network = "efa" if "efa" in (run.get("inter_node") or "").lower() else "ib"
-    nodes = int(run["nodes"])
-    return Fabric.from_hardware(
-        _gpu(run["gpu"]),
-        int(run["gpus_per_node"]),
-        nodes,
-        int(run["nics_per_node"]) if nodes > 1 else None,
-        float(run["nic_gbps"]) if nodes > 1 else None,
-        network,
-        calibration=calibration,
-        name=run["id"],
-    )
-
-
-def published_rows(runs: Iterable[dict[str, Any]] | None = None) -> list[Row]:
-    """Every sized row of the published runs. A row with only bus bandwidth is compared as the
-    time it implies, ``t = bytes · 2(N−1)/N / busbw`` (nccl-tests' definition); a quoted peak
-    with no size is left out (it has no size to put in a band)."""
-    rows = []
-    for run in published_runs() if runs is None else runs:
-        fab = fabric_of(run)
-        n = fab.world_size
-        config = f"{run['gpus_per_node']}×{fab.gpu.upper()} × {run['nodes']}" + (
-            f", {run['nics_per_node']}×{run['nic_gbps']:g}G {fab.network}" if fab.nodes > 1 else ""
-        )
-        for r in run["rows"]:
-            b, t, bus = r.get("bytes"), r.get("time_us"), r.get("busbw_GBps")
-            if not b:
-                continue
-            if t is None:
-                if not bus:
-                    continue
-                t = b * 2 * (n - 1) / n / (bus * 1e9) * 1e6
-            rows.append(Row(run["id"], source_of(run), config,
-                            forced_algorithm(run.get("algo")), int(b), float(t), fab))  # fmt: skip
-    return rows
-
-
 # -- fitting the constants NCCL's source does not give ------------------------------------------
-
-
-def _log_loss(cal: Calibration, rows: Sequence[Row]) -> float:
-    """Sum of |log(predicted/measured)|: a robust loss (one odd row cannot drag a constant)."""
-    fabs: dict[str, Fabric] = {}
-    total = 0.0
-    for r in rows:
-        f = fabs.get(r.run)
-        if f is None:
-            f = fabs[r.run] = r.fabric.with_calibration(cal)
-        total += abs(math.log(r.ratio(f)))
-    return total
-
-
-def _fit1(loss: Callable[[float], float], lo: float, hi: float, *, grid: int = 16) -> float:
-    """The minimiser of a one-constant loss on [lo, hi]: a log-spaced scan finds the basin
-    (the losses are sums of |log| terms, piecewise smooth), a golden-section search refines it
-    to 0.1 %. Fast enough to refit every fold of :func:`leave_one_source_out` live."""
-    a, b = math.log(lo), math.log(hi)
-    xs = [a + (b - a) * k / grid for k in range(grid + 1)]
-    k = min(range(grid + 1), key=lambda k: loss(math.exp(xs[k])))
-    a, b = xs[max(0, k - 1)], xs[min(grid, k + 1)]
-    g = (math.sqrt(5) - 1) / 2
-    c, d = b - g * (b - a), a + g * (b - a)
-    fc, fd = loss(math.exp(c)), loss(math.exp(d))
-    while b - a > 1e-3:
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - g * (b - a)
-            fc = loss(math.exp(c))
-        else:
-            a, c, fc = c, d, fd
-            d = a + g * (b - a)
-            fd = loss(math.exp(d))
-    return math.exp((a + b) / 2)
-
-
-# NCCL's own model, nothing fitted: where every fit starts, so no shipped constant (fitted on
-# rows that may be the very rows held out) leaks into a fold. TCP's latency is no fit either.
-UNFITTED = Calibration(
-    bw_efficiency=1.0,
-    nvls_efficiency=1.0,
-    fill_slices=0.0,
-    net_latency_us={**NCCL_NET_LATENCY_US, "tcp": DEFAULT_CALIBRATION.net_latency_us["tcp"]},
-)
-
-
-def fit_calibration(rows: Sequence[Row], *, passes: int = 2) -> Calibration:
-    """The global constants, fitted on ``rows`` alone, starting from NCCL's own model
-    (:data:`UNFITTED`), in stages, each to the rows it governs:
-
-    1. ``bw_efficiency`` to the ring/tree rows ≥ 64 MiB, ``nvls_efficiency`` to the NVLS and
-       NVLS-tree rows ≥ 64 MiB (NCCL's own 1.0 when no such row is given);
-    2. the network hop latency of each network kind (EFA; IB and RoCE together) to the
-       multi-node rows ≤ 64 KiB on it; a kind with no such row takes the latency fitted on all
-       multi-node rows ≤ 64 KiB; with none at all, NCCL's own (:data:`NCCL_NET_LATENCY_US`);
-    3. ``fill_slices`` to every row, the others fixed.
-
-    The stages depend on each other a little (a large row has some latency and fill), so they
-    run ``passes`` times, each pass from the last one's constants.
-    """
-    cal = UNFITTED
-    for _ in range(passes):
-        cal = _fit_stages(cal, rows)
-    return cal
-
-
-def _fit_stages(cal: Calibration, rows: Sequence[Row]) -> Calibration:
-    large = [r for r in rows if r.nbytes >= LARGE]
-    nvls = [r for r in large if r.fabric.choice(r.nbytes, r.algorithm)[0].startswith("nvls")]
-    rest = [r for r in large if r not in nvls]
-    if rest:
-        x = _fit1(lambda x: _log_loss(cal.with_(bw_efficiency=x), rest), 0.5, 1.2)
-        cal = cal.with_(bw_efficiency=round(x, 3))
-    if nvls:
-        x = _fit1(lambda x: _log_loss(cal.with_(nvls_efficiency=x), nvls), 0.4, 1.2)
-        cal = cal.with_(nvls_efficiency=round(x, 3))
-    small = [r for r in rows if r.nbytes <= SMALL and r.fabric.nodes > 1]
-
-    def lat_fit(sel: list[Row], kinds: Sequence[str], base: dict[str, float]) -> float:
-        def loss(x: float) -> float:
-            return _log_loss(cal.with_(net_latency_us={**base, **dict.fromkeys(kinds, x)}), sel)
-
-        return round(_fit1(loss, 0.1, 300.0), 1)
-
-    lat = {k: NCCL_NET_LATENCY_US[k] for g in NETWORK_GROUPS for k in g}
-    if small:
-        pooled = lat_fit(small, [k for g in NETWORK_GROUPS for k in g], lat)
-        for kinds in NETWORK_GROUPS:
-            sel = [r for r in small if r.fabric.network in kinds]
-            lat.update(dict.fromkeys(kinds, lat_fit(sel, kinds, lat) if sel else pooled))
-    cal = cal.with_(net_latency_us={**cal.net_latency_us, **lat})
-    x = _fit1(lambda x: _log_loss(cal.with_(fill_slices=x - 1e-3), rows), 1e-3, 20.0)
-    return cal.with_(fill_slices=round(x - 1e-3, 2))
 
 
 def leave_one_source_out(rows: Sequence[Row] | None = None) -> list[Prediction]:
@@ -265,7 +109,7 @@ def leave_one_source_out(rows: Sequence[Row] | None = None) -> list[Prediction]:
         fabs: dict[str, Fabric] = {}
         for r in rows:
             if r.source == src:
-                f = fabs.setdefault(r.run, r.fabric.with_calibration(cal))
+                f = fabs.get(r.run) or fabs.setdefault(r.run, r.fabric_with(cal))
                 us = f.allreduce_s(r.nbytes, algorithm=r.algorithm) * 1e6
                 out.append(Prediction(r, us, cal))
     return out
@@ -279,7 +123,8 @@ def band_errors(predictions: Iterable[Prediction]) -> tuple[BandError, ...]:
     """Median error, median and worst factor per band (bands with no row are left out)."""
     by_band: dict[str, list[Prediction]] = {name: [] for name, _, _ in BANDS}
     for p in predictions:
-        by_band[band_of(p.row.nbytes)].append(p)
+        if not p.row.excluded:
+            by_band[band_of(p.row.nbytes)].append(p)
     out = []
     for name, ps in by_band.items():
         if not ps:
@@ -329,8 +174,32 @@ def self_calibration(rows: Sequence[Row] | None = None) -> list[Prediction]:
             if not fit_on or not predict:
                 continue
             log = [{"size_bytes": r.nbytes, "time_s": r.measured_us * 1e-6} for r in fit_on]
-            fab = rs[0].fabric.calibrated_from(log, algorithm=rs[0].algorithm)
+            fab = (
+                rs[0]
+                .fabric_with(DEFAULT_CALIBRATION)
+                .calibrated_from(log, algorithm=rs[0].algorithm)
+            )
             for r in predict:
                 us = fab.allreduce_s(r.nbytes, algorithm=r.algorithm) * 1e6
                 out.append(Prediction(r, us, fab.calibration))
     return out
+
+
+def band_line(bands: Sequence[BandError] | None = None) -> str:
+    """The simulator's error by message size in one line, for a lesson to print beside a
+    prediction: leave one published source out, median and worst per band (default
+    :func:`validation_bands`)."""
+    parts = []
+    for b in validation_bands() if bands is None else bands:
+        med = f"×{b.median_factor:.2f}" if b.band == "≤ 64 KiB" else f"{b.median_error:.0%}"
+        parts.append(f"{b.band}: {med} median, worst ×{b.worst_factor:.2f}")
+    return "simulated all-reduce vs published runs (leave one source out) — " + "; ".join(parts)
+
+
+def class_errors(predictions: Iterable[Prediction]) -> dict[str, tuple[BandError, ...]]:
+    """:func:`band_errors` per kind of box (:func:`box_class`): where the model can be trusted
+    for a learner's box."""
+    by: dict[str, list[Prediction]] = {}
+    for p in predictions:
+        by.setdefault(box_class(p.row.fabric), []).append(p)
+    return {k: band_errors(v) for k, v in sorted(by.items())}

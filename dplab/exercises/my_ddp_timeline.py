@@ -255,19 +255,3 @@ def sweep_rank(
         "backward_ms": statistics.median(quiet[1:]),
         "grad_bytes": sum(p.numel() * p.element_size() for p in net.parameters()),
     }
-
-
-def allreduce_rank(sizes: list[int], repeats: int = 15) -> dict[int, float]:
-    """Run on every rank: the median time (ms) of one ``dist.all_reduce`` of each size (bytes),
-    the two numbers the derivation needs: o (a tiny message) and w (the slope)."""
-    out = {}
-    for size in sizes:
-        t = torch.ones(max(1, size // 4))
-        times = []
-        for _ in range(repeats + 1):
-            dist.barrier()
-            start = time.perf_counter_ns()
-            dist.all_reduce(t)
-            times.append((time.perf_counter_ns() - start) / 1e6)
-        out[size] = statistics.median(times[1:])
-    return out

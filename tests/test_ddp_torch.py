@@ -355,6 +355,12 @@ def _bad_hook(kind: str) -> None:
     elif kind == "not_future":
         ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
         ddp(torch.randn(2, 4)).sum().backward()
+    elif kind == "annotation":
+
+        def hook(state: object, bucket: dist.GradBucket) -> torch.Tensor:
+            return bucket.buffer()
+
+        ddp.register_comm_hook(None, hook)
     else:
         ddp.register_comm_hook(None, lambda bucket: None)
 
@@ -363,8 +369,9 @@ def _bad_hook(kind: str) -> None:
     ("kind", "message"),
     [
         ("twice", "can only be called once"),
-        ("not_future", "must return a torch.futures.Future"),
+        ("not_future", r"RuntimeError: .*must return a torch.futures.Future"),
         ("arity", r"takes \(state, bucket\)"),
+        ("annotation", r"ValueError: .*return annotation should be torch.futures.Future"),
     ],
 )
 def test_bad_comm_hooks_are_refused(cluster2, kind, message):

@@ -85,11 +85,13 @@ def check_comm_hook(hook: Any) -> None:
     if not callable(hook):
         raise TypeError(f"Communication hook must be callable, got {hook!r}")
     params = inspect.signature(hook).parameters
-    if len(params) != 2:
-        raise ValueError(
+    try:
+        inspect.signature(hook).bind(None, None)
+    except TypeError:
+        raise TypeError(
             f"a comm hook takes (state, bucket); {getattr(hook, '__name__', hook)!r} takes "
-            f"{len(params)} parameter(s): {list(params)}"
-        )
+            f"{list(params)}"
+        ) from None
     bucket = params.get("bucket")
     if bucket is not None and bucket.annotation not in (
         inspect.Parameter.empty,

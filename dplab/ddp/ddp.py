@@ -66,7 +66,7 @@ from dplab.ddp.logging_data import LoggingData, LoggingMixin
 from dplab.ddp.plans import PlanMixin
 from dplab.ddp.replicas import broadcast_from, check_same_parameters
 from dplab.ddp.rewrap import claim, remove_hooks
-from dplab.ddp.static_graph import changed_graph_error, unfinished_error
+from dplab.ddp.static_graph import changed_graph_error, unfinished_error, unused_error
 from dplab.ddp.torch_api import TorchApiMixin
 from dplab.trace.bucket import Bucket
 from dplab.trace.observer import NullObserver, StepObserver
@@ -174,6 +174,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self._static_global_unused: set[int] = set()
         self._unused_this_iteration: list[int] = []
         self._log_times = False  # this iteration's times go to the logging data
+        self._unfinished: str | None = None  # the last backward left parameters unreduced
         self._start_hooks()
         self._logging = LoggingData()
         self._logging.construction(self, *self._bucket_bytes())
@@ -267,6 +268,9 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             raise RuntimeError(f"this dplab.DDP was detached: {self._detached}")
         if self._st.open:
             self._recover()  # the last backward died (an exception in it): start clean
+        if self._unfinished is not None:
+            message, self._unfinished = self._unfinished, None
+            self._log_and_throw(RuntimeError, message)
         grad_enabled = torch.is_grad_enabled()
         sync = grad_enabled and self.require_backward_grad_sync
         if sync:
@@ -296,7 +300,8 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             if self.static_graph:  # no search: the first iteration's unused ones (or none yet)
                 self._unused_this_backward = self._static_unused
             elif self.find_unused_parameters:
-                self._unused_this_backward = unreachable(tensors, self._index)
+                with torch.autograd.profiler.record_function("search_unused_parameters"):
+                    self._unused_this_backward = unreachable(tensors, self._index)
             me, generation = weakref.ref(self), self._generation
             for t in tensors:
                 t.register_hook(output_hook(me, generation))
@@ -323,10 +328,14 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         for work in self._st.works:
             with contextlib.suppress(Exception):
                 work.wait()
+        missing = [i for i, ready in enumerate(self._st.ready) if not ready]
         if not self._order_recorded:
             self._ready_order = []
         self._used_since_sync = set()
         self._reset_backward_state()
+        if self.static_graph and self._static_counts is not None:  # torch's error, then clean
+            names = [self._params[i][0] for i in missing]
+            self._log_and_throw(RuntimeError, unfinished_error(self.rank, missing, names))
 
     def _queue_end_of_backward(self) -> None:
         if not self._st.queued:
@@ -367,8 +376,8 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
                 st.unused_marked = True
                 for j in self._unused_this_backward:
                     self._mark_unused_ready(j)
-            if self.find_unused_parameters or self.static_graph:
-                self._used_since_sync.add(i)
+            if (self.find_unused_parameters or self.static_graph) and param.grad is not None:
+                self._used_since_sync.add(i)  # torch: an undefined gradient is not a use
             if self._watching:
                 self._observer.grad_ready(i)
             if self.static_graph and not self._static_hit(i):
@@ -491,13 +500,10 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             names = [self._params[i][0] for i in missing]
             self._log_and_throw(RuntimeError, unfinished_error(self.rank, missing, names))
         if missing and not (self.find_unused_parameters or self.static_graph):
+            # torch's timing: this step stays unreduced, the next forward raises the error
             names = [self._params[i][0] for i in missing]
-            self._log_and_throw(
-                RuntimeError,
-                f"dplab.DDP: these parameters got no gradient in this backward: {names}. "
-                "Every rank must all-reduce every bucket; if the model does not use every "
-                "parameter in every step, wrap it with find_unused_parameters=True.",
-            )
+            self._unfinished = unused_error(self.rank, missing, names)
+            return
         # Reachable from an output the loss left out: no gradient came, as for an unused one.
         st.unused_marked = True
         for i in missing:

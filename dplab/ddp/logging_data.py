@@ -29,10 +29,17 @@ def _env(name: str) -> str:
     return os.environ.get(name, "N/A")
 
 
+_C10_NAMES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "c10::Half",
+    torch.bfloat16: "c10::BFloat16",
+}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     """torch's ``dtype().name()``: float, double, c10::Half, c10::BFloat16, ..."""
-    names = {torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16"}
-    return names.get(dtype, str(dtype).removeprefix("torch.").replace("float32", "float"))
+    return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 class LoggingData:

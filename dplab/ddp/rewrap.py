@@ -27,8 +27,8 @@ def claim(ddp: Any) -> None:
     mine = {id(p) for _, p in ddp._params}
     with _LOCK:
         for old in list(_LIVE):
-            if old is ddp or old.detached:
-                continue
+            if old is ddp or old.detached or old is ddp.module:
+                continue  # a DDP wrapping a DDP (nested, as torch allows) keeps both
             theirs = {id(p) for _, p in old._params}
             if old.module is ddp.module or theirs <= mine:
                 old._detach("its module was wrapped again by another dplab.DDP")

@@ -18,8 +18,18 @@ import torch.distributed as dist
 from torch import nn
 
 from dplab.ddp.comm_hooks import check_comm_hook
+from dplab.ddp.replicas import broadcast_from
 from dplab.ddp.rewrap import remove_hooks
 from dplab.trace.observer import NullObserver
+
+
+def _refuse(feature: str, instead: str) -> None:
+    """A piece of torch's C++ Reducer that dplab.DDP has no equivalent of, refused by name."""
+    raise NotImplementedError(
+        f"dplab.DDP does not support {feature}: it reaches into torch's C++ Reducer, which "
+        f"dplab.DDP replaces with Python ({instead}). See docs/ddp.md."
+    )
+
 
 _NOT_PICKLED = ("process_group", "_lock", "_handles", "_st", "_comm_hook", "_comm_hook_state")
 
@@ -52,11 +62,26 @@ class TorchApiMixin:
 
     @property
     def reducer(self) -> Any:
-        raise NotImplementedError(
-            "dplab.DDP does not support ddp.reducer: torch's C++ Reducer has no dplab "
-            "equivalent object (dplab's buckets are ddp.buckets and ddp.bucket_buffers). "
-            "See docs/ddp.md."
-        )
+        _refuse("ddp.reducer", "dplab's buckets are ddp.buckets and ddp.bucket_buffers")
+
+    def _build_params_for_reducer(self) -> Any:
+        _refuse("_build_params_for_reducer()", "the reduced parameters are ddp._params")
+
+    def _build_debug_param_to_name_mapping(self, parameters: Any) -> Any:
+        _refuse("_build_debug_param_to_name_mapping()", "ddp._params pairs names and parameters")
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        _refuse("_set_ddp_sink_clone()", "dplab.DDP has no _DDPSink: outputs are never cloned")
+
+    def _default_broadcast_coalesced(
+        self, bufs: Any = None, bucket_size: Any = None, authoritative_rank: int = 0
+    ) -> None:
+        """torch's buffer broadcast (what a buffer hook may call): ``bufs`` (default: the
+        module's buffers) from group rank ``authoritative_rank``."""
+        tensors = self._current_buffers() if bufs is None else list(bufs)
+        if self.world_size > 1:
+            src = dist.get_global_rank(self.process_group, authoritative_rank)
+            broadcast_from(tensors, src, self.process_group)
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -75,6 +100,18 @@ class TorchApiMixin:
             raise
         self._logging.data["comm_hook"] = getattr(hook, "__qualname__", repr(hook))
         self._comm_hook, self._comm_hook_state = hook, state
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's C++ hooks by name (``dist.BuiltinCommHookType``): ALLREDUCE and
+        FP16_COMPRESS run as torch's Python hooks of the same arithmetic."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+        self._logging.data["comm_hook"] = str(comm_hook_type)
 
     def _register_buffer_comm_hook(
         self, state: object, hook: Callable[..., Any], comm_hook_location: Any = None

@@ -74,6 +74,22 @@ def markdown(results: dict[tuple, Result]) -> str:
         "them; *shim*: a test that skips directly for want of CUDA, run under the CPU shim "
         "(`tests/conformance/shim.py`). A test counts only where torch's DDP passes it.",
         "",
+        "The CPU shim lifts two decorators (`skip_if_lt_x_gpu`, `skip_if_no_gpu`), maps every "
+        "CUDA device a torch function is asked for (`device=`, `.to(rank)`, `.cuda(i)`, "
+        "`Module.to(rank)`) to the CPU, makes `torch.cuda.device_count()` the world size and "
+        "`set_device`/`synchronize`/`device(i)` no-ops, and drops `device_ids`/`output_device` "
+        "in one wrapper class used for both DDPs. `torch.cuda.is_available()` stays False.",
+        "",
+        "Each test runs in its own process group (a fresh `file://` store), on a pool of rank "
+        "processes kept between tests, with a time limit (180 s); a test that fails on one rank "
+        "or passes its limit kills the pool's sessions, and the next test starts a fresh pool.",
+        "",
+        "The runner can fail: `tests/conformance/test_conformance.py` plants three bugs in a copy "
+        "of dplab and runs one of torch's tests on each: buckets summed instead of averaged "
+        "(`n = 1` in `_scale`) turns `test_DistributedDataParallelCPU` red; the rebuilt bucket "
+        "order reversed turns `test_ddp_logging_data_cpu` red; buffers never broadcast turns "
+        "`test_ddp_broadcast_buffer` (shim) red.",
+        "",
         "## Summary",
         "",
         "| world size | mode | counted | dplab pass | refused | fail | timeout |",

@@ -80,7 +80,7 @@ class Pool:
             self.procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "tests.conformance.worker"],
-                    cwd=REPO,
+                    cwd=self.pythonpath,  # first on sys.path: a planted-bug copy of dplab wins
                     env={**env, "RANK": str(rank)},
                     stdin=subprocess.PIPE,
                     stdout=log,

@@ -78,8 +78,11 @@ def profile_torch_job(
     :func:`dplab.models.make_model` preset), profiled with ``record_shapes=True`` and a
     schedule, one trace per rank in ``out``. ``bucket_cap_mb=None`` leaves torch's default.
 
-    Returns torch's ``_get_ddp_logging_data()`` and ``step_ms``: each profiled step as the job's
-    own clock saw it (``time.perf_counter`` at each ``prof.step()``), to check the trace by.
+    Returns torch's ``_get_ddp_logging_data()`` and ``step_ms``: each profiled iteration as the
+    job's own clock saw it (``time.perf_counter`` from the top of the loop to ``prof.step()``),
+    to check the trace by. ``ProfilerStep#k`` runs from the end of one ``prof.step()`` to the
+    start of the next: the profiler's own work inside the call (starting its trace, at the
+    first active step: milliseconds) is in no step, and is left out here too.
     """
     import torch
     import torch.distributed as dist
@@ -99,20 +102,20 @@ def profile_torch_job(
     Path(out).mkdir(parents=True, exist_ok=True)
     path = Path(out) / f"rank{rank}.pt.trace.json"
     batches = slow_loader(model, batch_size, loader_sleep_s, seed=100 * rank)
-    stamps = []
+    steps = {}
     with profile(
         activities=[ProfilerActivity.CPU],
         record_shapes=True,
         schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE),
         on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
     ) as prof:
-        for _ in range(WAIT + WARMUP + ACTIVE):
+        for k in range(WAIT + WARMUP + ACTIVE):
+            start = time.perf_counter()
             x, y = next(batches)
             ddp(x, y).backward()
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
-            stamps.append(time.perf_counter())
+            if k >= WAIT + WARMUP:  # ProfilerStep#k is iteration k
+                steps[k] = (time.perf_counter() - start) * 1e3
             prof.step()
-    # ProfilerStep#k runs from the k-th prof.step() to the (k+1)-th: iteration k
-    steps = {k: (stamps[k] - stamps[k - 1]) * 1e3 for k in range(WAIT + WARMUP, len(stamps))}
     return {"logging": ddp._get_ddp_logging_data(), "step_ms": steps}

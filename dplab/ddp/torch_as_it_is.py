@@ -1,4 +1,4 @@
-"""Torch's DDP as it is, measured on real ranks: the rank functions behind lesson 08's section.
+"""Torch's DDP as it is, measured on real ranks: the rank functions behind lesson 08b.
 
 Each function runs on every rank (``dplab.launch`` / ``dplab.Cluster.run``) and returns a small
 dataclass. Where torch can say something itself, the function asks torch: its
@@ -8,8 +8,6 @@ against torch, not against dplab's own rules.
 
 - :func:`buckets_as_torch`: iteration 0's single bucket, the rebuild after it, the 1 MiB first
   bucket (default cap only), ``DDP_SET_LAST_BUCKET_CAP=1``, MiB not MB.
-- :func:`last_bucket_cap_exposed`: the same model with and without ``DDP_SET_LAST_BUCKET_CAP=1``,
-  steps interleaved, exposed communication per step.
 - :func:`gradient_memory`: bytes of gradients + buckets with and without
   ``gradient_as_bucket_view``, dplab's and torch's.
 - :func:`buffer_traffic`: what a model with buffers (BatchNorm) communicates per step.
@@ -125,59 +123,6 @@ def buckets_as_torch(
         torch_bucket_bytes_cap=int(theirs.bucket_bytes_cap),
         grad_diff=diffs,
         last_bucket_cap=last_bucket_cap,
-    )
-
-
-@dataclass
-class LastBucketCapRun:
-    """Exposed communication per step (ms), with and without ``DDP_SET_LAST_BUCKET_CAP=1``.
-
-    ``exposed_ms[variant]`` and ``step_ms[variant]`` are this rank's traced steps after warm-up
-    (variants ``"default"`` and ``"last_cap"``, measured alternately step by step);
-    ``bucket_bytes[variant]``: each variant's rebuilt buckets in launch order.
-    """
-
-    exposed_ms: dict[str, list[float]]
-    step_ms: dict[str, list[float]]
-    bucket_bytes: dict[str, list[int]]
-
-    def median(self, variant: str) -> float:
-        return statistics.median(self.exposed_ms[variant])
-
-
-def last_bucket_cap_exposed(
-    *, width: int = 512, depth: int = 8, batch: int = 32, steps: int = 8, seed: int = 0
-) -> LastBucketCapRun:
-    """Two dplab.DDPs of one model, one built and rebuilt under ``DDP_SET_LAST_BUCKET_CAP=1``,
-    trained alternately; their traced steps' exposed communication.
-
-    Why it could matter: by default the rebuilt first bucket is the small one (1 MiB), so the
-    bucket launched last, after backward's last gradient, is the big rest; with the variable set
-    the 1 MiB cut of the first layers (their gradients come last) is the last bucket, and in a
-    model over 2 MiB (the default 8 × 512 here: 8 MiB) that is the small one: less is left to
-    wait for when backward ends.
-    """
-    rank = dist.get_rank()
-    variants = ("default", "last_cap")
-    tracers = {v: Tracer() for v in variants}
-    nets: dict[str, DDP] = {}
-    for v in variants:
-        with env_var(LAST_BUCKET_CAP, "1" if v == "last_cap" else None):
-            nets[v] = DDP(linear_stack(width, depth, seed=seed), tracer=tracers[v])
-    warmup = 2  # step 0 (one bucket), step 1 (the rebuild at its forward)
-    for step in range(warmup + steps):
-        x = _batch(width, batch, seed + 1000 * step + rank)
-        order = variants if step % 2 == 0 else variants[::-1]
-        for v in order:
-            with env_var(LAST_BUCKET_CAP, "1" if v == "last_cap" else None):
-                nets[v].zero_grad(set_to_none=False)
-                dist.barrier()
-                _loss(nets[v], x).backward()
-    traced = {v: tracers[v].steps[warmup:] for v in variants}
-    return LastBucketCapRun(
-        exposed_ms={v: [t.metrics.exposed_comm_ms for t in traced[v]] for v in variants},
-        step_ms={v: [t.metrics.t_step_ms for t in traced[v]] for v in variants},
-        bucket_bytes={v: [b.nbytes for b in nets[v].buckets] for v in variants},
     )
 
 
@@ -539,7 +484,6 @@ __all__ = [
     "BufferTraffic",
     "CommTimes",
     "GradMemory",
-    "LastBucketCapRun",
     "RegimeRank",
     "RegimeSample",
     "buckets_as_torch",
@@ -548,7 +492,6 @@ __all__ = [
     "env_var",
     "first_to_last_ms",
     "gradient_memory",
-    "last_bucket_cap_exposed",
     "launch_to_wait_ms",
     "linear_stack",
     "regime_rank",

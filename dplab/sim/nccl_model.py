@@ -20,7 +20,7 @@ model's structure, read from the source at commit 5067397 (June 2026), not copie
 - bus bandwidth to algorithm bandwidth: × N/(2(N−1)) for ring and NVLS, × 0.5 for tree.
 
 NCCL uses the model only to *rank* choices, and it is optimistic in absolute terms. What this
-module adds, as a :class:`Calibration` of four global constants fitted (by
+module adds, as a :class:`Calibration` of global constants fitted (by
 ``benchmarks/fabric_validation.py --fit``) to the *training* rows of the published nccl-tests
 runs in ``assets/data/nccl-tests-published.json``, never per row:
 
@@ -35,6 +35,10 @@ runs in ``assets/data/nccl-tests-published.json``, never per row:
   out, and what most separates a 2-node tree's mid sizes (1–64 MiB) from its plateau;
 - per network kind, the inter-node latency NCCL gets from its network plugin
   (``graph->latencyInter``), which the source does not fix.
+- per protocol, a factor on NCCL's base and intra-node latencies (``proto_latency``: the floor
+  of LL, LL128 and Simple, which decides the sizes where the model switches protocol), a factor
+  on LL's and LL128's bandwidth (``proto_bw``), and what one process driving several GPUs
+  (nccl-tests ``-g``) adds per extra GPU (``launch_us_per_gpu``).
 
 Everything here is closed form: a fabric's table of 12 (latency, bandwidth) pairs is built once,
 and a time is a handful of float operations, so a 1,024-rank step costs what a 2-rank one does.

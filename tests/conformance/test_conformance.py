@@ -94,3 +94,4 @@ def test_a_planted_bug_turns_a_torch_test_red(mutation, shim, tmp_path):
         f"planted bug {mutation.name!r} ({mutation.claim}) left torch's {mutation.caught_by} "
         f"{r.outcome}: the conformance run would not notice it"
     )
+    assert "AssertionError" in r.detail, f"{mutation.caught_by} failed, but not on a check: {r}"

@@ -1,0 +1,198 @@
+"""dplab.DDP against torch's DistributedDataParallel on the shapes and knobs a practitioner uses.
+
+One training step (forward, backward, SGD step, zero_grad) of the same model, weights and
+arguments under each DDP, on 2 gloo ranks. Every (shape, DDP) pair is interleaved with all the
+others in one shuffled order both ranks share, every timed step starts at a barrier, and the
+first steps (bucket rebuild, static graph's first iteration) are warm-up. Reported: the median
+step of each and the ratio dplab / torch with a 95% bootstrap interval. Goal: each <= 1.05,
+the median over shapes <= 1.00 (issue 41).
+
+    python benchmarks/ddp_shapes.py [--steps 30] [--only NAME ...] [--profile NAME]
+
+``--profile NAME`` prints torch.profiler's top operators of one step of that shape, for dplab
+and for torch, where a ratio above 1 needs explaining.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from _stats import interleaved, machine, median_ratio
+from torch import nn
+
+import dplab
+from dplab.models import make_batch, make_model
+
+
+class Tiny(nn.Module):
+    """800 tiny parameters: 400 Linear(4, 4) in a chain (the per-gradient cost shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(400)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.layers(x), y)
+
+
+class Big(nn.Module):
+    """One 64 MiB parameter (4096 x 4096 float32): one bucket, bandwidth-bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4096, 4096) * 0.01)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(x @ self.w, y)
+
+
+def _fp16(ddp: nn.Module) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+
+
+# name -> (model factory, batch factory, DDP kwargs, after-wrap setup, micro-batches)
+SHAPES: dict[str, tuple[Callable, Callable, dict, Callable | None, int]] = {
+    "gpt-7m defaults": (
+        lambda: make_model("gpt-7m"),
+        lambda r: make_batch("gpt-7m", 4, seed=r),
+        {},
+        None,
+        1,
+    ),
+    "800 tiny parameters": (
+        lambda: (torch.manual_seed(0), Tiny())[1],
+        lambda r: (torch.randn(8, 4), torch.randn(8, 4)),
+        {},
+        None,
+        1,
+    ),
+    "one 64 MiB parameter": (
+        lambda: (torch.manual_seed(0), Big())[1],
+        lambda r: (torch.randn(4, 4096), torch.randn(4, 4096)),
+        {},
+        None,
+        1,
+    ),
+    "find_unused_parameters": (
+        lambda: make_model("tiny-gpt"),
+        lambda r: make_batch("tiny-gpt", 8, seed=r),
+        {"find_unused_parameters": True},
+        None,
+        1,
+    ),
+    "fp16-compress hook": (
+        lambda: make_model("tiny-gpt"),
+        lambda r: make_batch("tiny-gpt", 8, seed=r),
+        {},
+        _fp16,
+        1,
+    ),
+    "gradient_as_bucket_view": (
+        lambda: make_model("tiny-gpt"),
+        lambda r: make_batch("tiny-gpt", 8, seed=r),
+        {"gradient_as_bucket_view": True},
+        None,
+        1,
+    ),
+    "4 micro-batches, no_sync": (
+        lambda: make_model("tiny-gpt"),
+        lambda r: make_batch("tiny-gpt", 8, seed=r),
+        {},
+        None,
+        4,
+    ),
+    "static_graph": (
+        lambda: make_model("tiny-gpt"),
+        lambda r: make_batch("tiny-gpt", 8, seed=r),
+        {"static_graph": True},
+        None,
+        1,
+    ),
+}
+
+
+def _step_of(net: nn.Module, batch: tuple, micro: int) -> Callable[[], None]:
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+    x, y = batch
+
+    def step() -> None:
+        for _ in range(micro - 1):
+            with net.no_sync():
+                net(x, y).backward()
+        net(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return step
+
+
+def _wrap(which: str, name: str) -> tuple[nn.Module, tuple, int]:
+    model_fn, batch_fn, kwargs, setup, micro = SHAPES[name]
+    cls = dplab.DDP if which == "dplab" else nn.parallel.DistributedDataParallel
+    net = cls(model_fn(), **kwargs)
+    if setup is not None:
+        setup(net)
+    return net, batch_fn(dist.get_rank()), micro
+
+
+def race(names: list[str], steps: int) -> dict:
+    """On every rank: each shape under each DDP, all steps interleaved."""
+    torch.manual_seed(dist.get_rank())
+    nets = {(w, n): _wrap(w, n) for n in names for w in ("dplab", "torch")}
+    steps_of = {key: _step_of(*nets[key]) for key in nets}
+    return interleaved(steps_of, steps, warmup=3)
+
+
+def profile(name: str, steps: int) -> dict:
+    """torch.profiler's top operators over ``steps`` steps of one shape, for each DDP."""
+    out = {}
+    for which in ("dplab", "torch"):
+        step = _step_of(*_wrap(which, name))
+        for _ in range(3):
+            step()
+        with torch.profiler.profile() as prof:
+            for _ in range(steps):
+                step()
+        out[which] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--only", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--profile", choices=list(SHAPES))
+    args = p.parse_args()
+    if args.profile:
+        tables = dplab.launch(profile, 2, args=(args.profile, 10), timeout_s=1800)[0]
+        for which, table in tables.items():
+            print(f"## {which}: {args.profile}\n{table}")
+        return
+    times = dplab.launch(race, 2, args=(args.only, args.steps), timeout_s=3600)[0]
+    print(f"machine: {machine()}; {args.steps} steps per (shape, DDP), 2 gloo ranks")
+    print("| shape | dplab median | torch median | dplab / torch (95% CI) |")
+    print("|---|---|---|---|")
+    ratios = []
+    for name in args.only:
+        ours, theirs = times[("dplab", name)], times[("torch", name)]
+        ratio, lo, hi = median_ratio(ours, theirs)
+        ratios.append(ratio)
+        print(
+            f"| {name} | {statistics.median(ours):.1f} ms | {statistics.median(theirs):.1f} ms "
+            f"| {ratio:.3f} ({lo:.3f}–{hi:.3f}) |"
+        )
+    print(f"| median over shapes | | | {statistics.median(ratios):.3f} |")
+
+
+if __name__ == "__main__":
+    main()

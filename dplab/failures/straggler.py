@@ -4,7 +4,7 @@ The all-reduce is a barrier: no rank leaves it before the slowest has arrived. S
 step is as long as the slow one's, and the per-rank step times look equal. What differs is the
 *wait*: the fast ranks sit in the all-reduce (their exposed communication grows by the delay)
 while the straggler, arriving last, waits least. The per-rank timeline shows it, and
-:func:`dplab.sim.straggler.find_straggler` names the rank and by how much.
+:func:`dplab.doctor.find_straggler` names the rank and by how much.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ class Call:
     dtypes: tuple[str, ...]
     created_ns: int
     where: str  # the innermost frame outside torch: what the rank's code was doing
+    state: str = "scheduled"  # NCCL: scheduled, started, completed; gloo: always scheduled
 
     @property
     def fingerprint(self) -> tuple:
@@ -122,7 +123,11 @@ class HangReport:
         lines.append("what each rank was doing (its last recorded collective):")
         for rank in self.ranks:
             call = self.last.get(rank)
-            doing = f"group {call.group} {call.describe()} from {call.where}" if call else "none"
+            doing = (
+                f"group {call.group} {call.describe()} ({call.state}) from {call.where}"
+                if call
+                else "none"
+            )
             lines.append(f"  rank {rank}: {doing}{_status(self.status.get(rank, {}))}")
         return "\n".join(lines)
 
@@ -222,6 +227,7 @@ def calls_of(rank: int, dump: dict) -> list[Call]:
                 tuple(str(d) for d in e.get("input_dtypes", [])),
                 int(e.get("time_created_ns") or 0),
                 _where(e.get("frames", [])),
+                str(e.get("state", "scheduled")),
             )
         )
     return sorted(out, key=lambda c: (c.group, c.seq))

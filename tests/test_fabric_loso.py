@@ -150,16 +150,3 @@ def test_runs_without_nic_fields_are_calibrated_on_their_own_plateau(rows):
         # where NVLS, not the NICs, sets the plateau, the slowest NICs reaching it are taken
         floor = replace(fab, nic_gbps=12800.0, _cache={}).allreduce_s(b, algorithm=r.algorithm)
         assert got == pytest.approx(max(us, floor * 1e6), rel=0.01)
-
-
-def test_the_error_figure_draws_every_band(loso):
-    from dplab.viz.fabric_error import fabric_error_figure
-
-    bands = band_errors(loso)
-    fig = fabric_error_figure(bands)
-    median, worst = fig.data
-    assert list(median.y) == [b.median_factor for b in bands]
-    assert list(worst.y) == [b.worst_factor for b in bands]
-    assert all(f"({b.rows} rows)" in x for b, x in zip(bands, median.x, strict=True))
-    with pytest.raises(ValueError, match="bands must be BandError records"):
-        fabric_error_figure([{"band": "≤ 64 KiB"}])

@@ -10,6 +10,12 @@ step, and the recommendation: a cap only when the exposed communication is that 
 predicted gain and uncertainty). It writes ``timeline.html`` beside the traces: the measured
 last step of every rank and the step predicted at the recommended cap, with plotly.js embedded
 so that it opens offline.
+
+``python -m dplab doctor --flight-recorder DIR`` reads a hung job instead: DIR holds one
+flight-recorder dump per rank, named ``<prefix><rank>`` (as torch writes them on NCCL with
+``TORCH_NCCL_DUMP_ON_TIMEOUT=1``; the layout ``torchfrtrace`` reads). Its line starting
+``behind:`` names the rank and the sequence number of the collective it never issued (or issued
+differently); then what each rank was doing.
 """
 
 from __future__ import annotations

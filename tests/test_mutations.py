@@ -6,8 +6,9 @@ small notebook made of the lesson cells that carry its claim; it must fail on an
 claim's own cell. Each group's unmutated copy must pass the same cells: otherwise a "caught"
 mutant proves nothing. The groups, with their plants and cells:
 
-- ``tests/mutants_lessons.py``: the core lessons (03, 03b, 08, 08a);
-- ``tests/mutants_failures.py``: §8e's fixes that do nothing;
+- ``tests/mutants_lessons.py``: the core lessons (03, 03b, 08, 08a, 08b);
+- ``tests/mutants_failures.py``: §8d's fixes that do nothing and §8e's hang reader blaming the
+  wrong rank;
 - ``tests/mutants_sharding.py``: §9b's sum instead of an average.
 
 Every job runs in one nbval process (this module's fixture), each in its own kernel: about four

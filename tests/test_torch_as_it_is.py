@@ -4,8 +4,7 @@ The oracle is torch: its ``DistributedDataParallel`` on the same model and its
 ``_get_ddp_logging_data()`` (bucket sizes before and after the rebuild, ``bucket_cap_bytes``),
 its ``.grad`` storages (views of its buckets or not), its buffer broadcast seen in its effect.
 Gradients: bit for bit against torch at 2 ranks (each element is a + b, halved exactly).
-Timing claims are only made in the regime sweep, and only as ratios with wide margins, medians
-over repeats and both ranks (see ``test_regime_sweep`` for each margin's reason).
+No timing claims: the side-by-side communication times are only checked for being measured.
 """
 
 from __future__ import annotations
@@ -13,11 +12,8 @@ from __future__ import annotations
 import pytest
 
 import dplab
-from dplab._units import MIB
-from dplab.collectives import measure_bandwidth
 from dplab.ddp import torch_as_it_is as T
 from dplab.mechanics.traffic import CommCounter
-from dplab.sim import regime as R
 
 LAYER = 256 * 256 * 4 + 256 * 4  # one Linear(256, 256): weight + bias, fp32
 
@@ -127,45 +123,6 @@ def test_comm_times_side_by_side(cluster):
         assert set(medians) >= {"torch backward_comm", "dplab union", "dplab launch_to_wait"}
 
 
-def test_regime_sweep(cluster):
-    """The comms-bound regime on real ranks.
-
-    Margins: T_compute must grow at least 2.5× from batch 1 to 16 (16× the rows; measured
-    4–10× on 2 loaded cores: a fixed memory-bound floor keeps it below 16×); T_comm may grow
-    (gloo's threads share the 2 cores with backward, and a longer backward slows them) but by
-    less than half as much as T_compute — the same bytes move at every batch; the exposed share
-    of the step must at least halve from batch 1 to 16 (measured 34–46% → 7–12%).
-    """
-    runs = cluster.run(T.regime_rank, repeats=4)
-    rows = measure_bandwidth(cluster=cluster, sizes=[256 * 1024, MIB, 4 * MIB, 12 * MIB], repeats=3)
-    measured = R.measured_regime(runs)
-    predicted = R.predicted_regime(R.profiles_by_batch(runs), R.link_from_rows(rows))
-    print(R.regime_table(measured, predicted))
-    first, last = measured[0], measured[-1]
-    assert [p.batch for p in measured] == [1, 2, 4, 8, 16]
-    compute_growth = last.t_compute_ms / first.t_compute_ms
-    comm_growth = last.t_comm_ms / first.t_comm_ms
-    assert compute_growth >= 2.5, measured
-    assert comm_growth < compute_growth / 2, measured
-    assert first.t_comm_ms > first.t_compute_ms, first  # batch 1: comm-bound
-    assert last.t_compute_ms > last.t_comm_ms, last  # batch 16: compute-bound
-    assert first.exposed_share >= 2 * last.exposed_share, measured
-    assert R.crossover(measured) in (2, 4, 8, 16)
-    assert len(predicted) == 5
-    assert all(p.t_comm_ms == pytest.approx(predicted[0].t_comm_ms) for p in predicted)
-
-
-def test_crossover_rule():
-    def point(batch, compute, comm):
-        return R.RegimePoint(batch, compute, comm, 0.0, compute + comm, 1, {})
-
-    assert R.crossover([point(1, 1, 5), point(2, 6, 5), point(4, 9, 5)]) == 2
-    assert R.crossover([point(1, 6, 5), point(2, 4, 5), point(4, 9, 5)]) == 4  # a blip is not it
-    assert R.crossover([point(1, 1, 5), point(2, 2, 5)]) is None
-
-
 def test_bad_arguments():
     with pytest.raises(ValueError, match="width must be an int >= 1, got 0"):
         T.linear_stack(width=0)
-    with pytest.raises(ValueError, match="no rank results"):
-        R.measured_regime([])

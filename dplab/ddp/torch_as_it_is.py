@@ -12,13 +12,11 @@ against torch, not against dplab's own rules.
   ``gradient_as_bucket_view``, dplab's and torch's.
 - :func:`buffer_traffic`: what a model with buffers (BatchNorm) communicates per step.
 - :func:`comm_time_side_by_side`: torch's ``backward_comm_time`` beside dplab's spans.
-- :func:`regime_rank`: the per-rank batch sweep of the comms-bound regime.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -342,141 +340,6 @@ def comm_time_side_by_side(
     return out
 
 
-# -- 5. the comms-bound regime: a per-rank batch sweep -----------------------------------------
-
-
-@dataclass
-class RegimeSample:
-    """One measured point of the sweep on one rank.
-
-    ``trace``: a traced dplab.DDP step at ``batch`` samples per rank. ``compute``: a step of the
-    same batch on a plain copy of the model (no DDP, nothing communicated), in the format
-    :func:`dplab.sim.profile_from_ranks` reads (``backward_start_ms``, ``backward_ms``,
-    ``ready_ms`` per parameter, ...), so the simulator can be fed the compute alone.
-    """
-
-    batch: int
-    repeat: int
-    trace: StepTrace
-    compute: dict[str, float | list[float]]
-
-
-@dataclass
-class RegimeRank:
-    """One rank's sweep: every sample, and the parameters in the profile format."""
-
-    samples: list[RegimeSample]
-    params: list[dict[str, Any]]
-    world_size: int
-    backend: str
-    width: int
-    depth: int
-    tokens: int
-
-
-def wide_mlp(width: int = 1024, depth: int = 3, seed: int = 0) -> nn.Sequential:
-    """A model whose gradient is large for its compute: ``depth`` square Linear(width) layers.
-
-    A sample is ``tokens`` rows (a short sequence, as a language model's sample is), each costing
-    ~6·w² FLOPs per layer (forward and backward), while the layer owns 4·w² bytes of gradient
-    whatever the batch: at a batch of a few samples the all-reduce outweighs the math.
-    """
-    return linear_stack(width, depth, seed=seed)
-
-
-def _compute_only(net: nn.Module, x: torch.Tensor) -> dict[str, float | list[float]]:
-    """Time one forward + backward on ``net`` (no DDP), a mark per parameter's gradient."""
-    params = [p for p in net.parameters() if p.requires_grad]
-    marks: list[float | None] = [None] * len(params)
-    start: list[float] = []
-
-    def stamp(i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            marks[i] = time.perf_counter()
-
-        return hook
-
-    handles = [p.register_post_accumulate_grad_hook(stamp(i)) for i, p in enumerate(params)]
-    try:
-        net.zero_grad(set_to_none=True)
-        dist.barrier()  # the ranks compute at the same time, as in a DDP step
-        t0 = time.perf_counter()
-        out = net(x).pow(2).mean()
-        t1 = time.perf_counter()
-        out.register_hook(lambda g: start.append(time.perf_counter()))
-        out.backward()
-    finally:
-        for h in handles:
-            h.remove()
-    b0 = start[0] if start else t1
-    ready = [(m - b0) * 1e3 for m in marks if m is not None]
-    return {
-        "forward_ms": (t1 - t0) * 1e3,
-        "backward_start_ms": (b0 - t0) * 1e3,
-        "backward_ms": max(ready),
-        "optimizer_ms": 0.0,
-        "ready_ms": ready,
-    }
-
-
-def regime_rank(
-    batches: Sequence[int] = (1, 2, 4, 8, 16),
-    *,
-    repeats: int = 3,
-    width: int = 1024,
-    depth: int = 3,
-    tokens: int = 16,
-    seed: int = 0,
-) -> RegimeRank:
-    """The sweep on this rank: for each repeat, every batch (order reversed every other repeat),
-    one traced dplab.DDP step (torch's defaults) and one compute-only step of the same batch.
-
-    A sample is ``tokens`` rows of the wide MLP. Two warm-up steps first: iteration 0 (one
-    bucket) and the rebuild, so every traced step runs on the buckets torch would use.
-    """
-    batches = list(batches)
-    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
-        raise ValueError(f"batches must be ints >= 1, got {batches!r}")
-    for name, v in (("repeats", repeats), ("tokens", tokens)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    rank = dist.get_rank()
-    tracer = Tracer()
-    ddp = DDP(wide_mlp(width, depth, seed), tracer=tracer)
-    plain = wide_mlp(width, depth, seed)
-    for step in range(2):
-        ddp.zero_grad(set_to_none=False)
-        _loss(ddp, _batch(width, batches[0] * tokens, seed + step + rank)).backward()
-    tracer.clear()
-    order: list[tuple[int, int]] = []
-    computes = []
-    for r in range(repeats):
-        for b in batches if r % 2 == 0 else batches[::-1]:
-            x = _batch(width, b * tokens, seed + 1000 * r + 17 * b + rank)
-            ddp.zero_grad(set_to_none=True)
-            dist.barrier()
-            _loss(ddp, x).backward()
-            computes.append(_compute_only(plain, x))
-            order.append((b, r))
-    traces = tracer.steps
-    samples = [
-        RegimeSample(batch=b, repeat=r, trace=t, compute=c)
-        for (b, r), t, c in zip(order, traces, computes, strict=True)
-    ]
-    params = [
-        {
-            "name": n,
-            "numel": p.numel(),
-            "nbytes": p.numel() * p.element_size(),
-            "dtype": str(p.dtype).removeprefix("torch."),
-        }
-        for n, p in plain.named_parameters()
-    ]
-    return RegimeRank(
-        samples, params, dist.get_world_size(), dist.get_backend(), width, depth, tokens
-    )
-
-
 __all__ = [
     "LAST_BUCKET_CAP",
     "LOGGING_KEYS",
@@ -484,8 +347,6 @@ __all__ = [
     "BufferTraffic",
     "CommTimes",
     "GradMemory",
-    "RegimeRank",
-    "RegimeSample",
     "buckets_as_torch",
     "buffer_traffic",
     "comm_time_side_by_side",
@@ -494,7 +355,5 @@ __all__ = [
     "gradient_memory",
     "launch_to_wait_ms",
     "linear_stack",
-    "regime_rank",
     "torch_logging",
-    "wide_mlp",
 ]

@@ -1,5 +1,5 @@
 """The DDP widgets, driven as a user would: values set on the controls, redraws and messages read
-back. BucketExplorer and SweepRunner measure on real ranks; OverlapExplorer only simulates."""
+back. BucketExplorer measures on real ranks; OverlapExplorer only simulates."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from dplab.widgets import bucket_explorer as bucket_explorer_module
 from dplab.widgets import overlap_explorer as overlap_explorer_module
 from dplab.widgets.bucket_explorer import BucketExplorer
 from dplab.widgets.overlap_explorer import OverlapExplorer
-from dplab.widgets.sweep_runner import SweepRunner, parse_caps
 from tests.conftest import child_pids
 
 
@@ -228,47 +227,3 @@ def test_crossover_world_size():
     profile = toy_profile()  # 57 ms compute, 32 MB of gradients
     assert crossover_world_size(profile, Link("slow", 0.0, 0.5e9)) == 2
     assert crossover_world_size(profile, Link("fast", 0.0, 1e12)) is None
-
-
-# -- SweepRunner -----------------------------------------------------------------------------------
-
-
-def test_parse_caps():
-    assert parse_caps("1, 0.1; 25") == [0.1, 1.0, 25.0]
-    for bad, message in (("1, x", "'x' is not a number"), ("1", "at least 2"), ("1, -2", "> 0")):
-        with pytest.raises(ValueError, match=message):
-            parse_caps(bad)
-
-
-def test_sweep_runs_measures_and_draws_both_lines(cluster2):
-    link = Link("loopback (test)", 2e-4, 1e9, "given in the test")
-    runner = SweepRunner(
-        cluster2,
-        model="tiny-gpt",
-        caps="0.1, 5",
-        repeats=1,
-        steps=1,
-        batch_size=2,
-        link=link,
-    )
-    assert runner.rows == [] and "press run sweep" in runner.status_html.value
-    rows = runner.run()
-    assert runner.message == ""
-    assert len(rows) == 2 * 1 * 2 * 1  # caps x repeats x ranks x steps
-    assert {r["bucket_cap_mb"] for r in rows} == {0.1, 5.0}
-    assert runner.progress.value == runner.progress.max == 2 + 2
-    assert {r["bucket_cap_mb"] for r in runner.simulated_rows} >= {0.1, 5.0}
-    assert all(r["simulated"] for r in runner.simulated_rows)
-    names = {t.name for t in runner.figure.data}
-    assert {"measured median", "simulated"} <= names
-    assert "done: 2 caps" in runner.status_html.value
-
-
-def test_sweep_refuses_bad_values_without_running(cluster2):
-    runner = SweepRunner(cluster2, model="tiny-gpt", caps="0.1, 5", simulate=False)
-    runner.caps_text.value = "0.1, -1"
-    assert runner.run() is None and "bucket cap must be > 0 MiB" in runner.message
-    assert "Nothing was run" in runner.message_html.value and runner.rows == []
-    runner.caps_text.value = "0.1, 1"
-    runner.repeats_box.value = 0
-    assert runner.run() is None and "repeats must be in 1..10" in runner.message

@@ -13,8 +13,9 @@ and relative, ``from package import module`` resolved to the module, ``importlib
 function-level import only postpones the circle to the first call, and the two modules still need
 each other, so neither can be read, tested or moved alone (the two circles issue 43 found, both
 gone now, were of these kinds: ``ddp/ddp.py`` ↔ ``ddp/variants.py`` through ddp's module
-``__getattr__``, ``sim/fabric.py`` ↔ ``sim/fit.py`` under ``TYPE_CHECKING``). An import names one module: ``import dplab.a.b`` is an
-edge to ``dplab.a.b``, not to the packages Python runs on the way.
+``__getattr__``, ``sim/fabric.py`` ↔ ``sim/fit.py`` under ``TYPE_CHECKING``). An import names
+one module: ``import dplab.a.b`` is an edge to ``dplab.a.b``, not to the packages Python runs on
+the way.
 
 Each rule is a function of the tree's root, so the last tests run it on a copy of the package
 with one violation planted and see it fail naming the planted files (an assert that cannot fail

@@ -186,7 +186,7 @@ def test_the_lesson_hangs_are_read_as_the_lesson_says(tmp_path):
     assert (m.behind, m.seq, m.reference.what()) == ((1,), 2, "all_reduce [1]")
 
     keys = run_job("metric_keys", folder=tmp_path / "keys", timeout_s=SHORT_S)
-    assert "Timed out" in keys.errors[0]
+    assert any(g in (keys.errors[0] or "") for g in ("Timed out", "Connection closed by peer"))
     m = read_flight_recorder(tmp_path / "keys").first
     assert (m.seq, m.kind, m.tie) == (2, "issued differently", True)
     assert {c.what() for c in m.calls.values()} == {"all_reduce [3]", "all_reduce [2]"}
@@ -194,13 +194,23 @@ def test_the_lesson_hangs_are_read_as_the_lesson_says(tmp_path):
     assert [(v.seq, v.kind) for v in theirs] == [(2, "SIZE_OR_SYNTAX_MISMATCH")]
 
     save = run_job("save_on_rank0", folder=tmp_path / "save", timeout_s=SHORT_S)
-    assert all("Timed out" in e for e in save.errors), save.errors
+    assert gave_up_at_the_hang(save.errors), save.errors
     report = read_flight_recorder(tmp_path / "save")
     assert report.first.seq == 2 and report.last[0].op == "barrier"
     assert report.last[0].where.startswith("save_checkpoint")
     fixed = run_job("save_on_rank0", folder=tmp_path / "saved", timeout_s=SHORT_S, fixed=True)
     assert fixed.errors == [None, None]
     assert read_flight_recorder(tmp_path / "saved").first is None
+
+
+def gave_up_at_the_hang(errors: list) -> bool:
+    """Both ranks wait at the same collective with the same timeout: the first to reach it raises
+    gloo's "Timed out"; its partner, if still waiting, sees "Connection closed by peer" as that
+    rank exits (which of the two comes first is a race)."""
+    gave_up = ("Timed out", "Connection closed by peer")
+    return any("Timed out" in (e or "") for e in errors) and all(
+        e is not None and any(g in e for g in gave_up) for e in errors
+    )
 
 
 def test_a_job_refuses_a_folder_with_files_and_an_unknown_scenario(tmp_path):

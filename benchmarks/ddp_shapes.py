@@ -60,6 +60,19 @@ def _fp16(ddp: nn.Module) -> None:
     ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
 
 
+def _tiny_gpt(
+    ddp_kwargs: dict, *, hook: Callable | None = None, micro: int = 1
+) -> tuple[Callable, Callable, dict, Callable | None, int]:
+    """A tiny-gpt shape (batch 8 per rank) with these DDP arguments: the knobs' shared model."""
+    return (
+        lambda: make_model("tiny-gpt"),
+        lambda r: make_batch("tiny-gpt", 8, seed=r),
+        ddp_kwargs,
+        hook,
+        micro,
+    )
+
+
 # name -> (model factory, batch factory, DDP kwargs, after-wrap setup, micro-batches)
 SHAPES: dict[str, tuple[Callable, Callable, dict, Callable | None, int]] = {
     "gpt-7m defaults": (
@@ -83,41 +96,11 @@ SHAPES: dict[str, tuple[Callable, Callable, dict, Callable | None, int]] = {
         None,
         1,
     ),
-    "find_unused_parameters": (
-        lambda: make_model("tiny-gpt"),
-        lambda r: make_batch("tiny-gpt", 8, seed=r),
-        {"find_unused_parameters": True},
-        None,
-        1,
-    ),
-    "fp16-compress hook": (
-        lambda: make_model("tiny-gpt"),
-        lambda r: make_batch("tiny-gpt", 8, seed=r),
-        {},
-        _fp16,
-        1,
-    ),
-    "gradient_as_bucket_view": (
-        lambda: make_model("tiny-gpt"),
-        lambda r: make_batch("tiny-gpt", 8, seed=r),
-        {"gradient_as_bucket_view": True},
-        None,
-        1,
-    ),
-    "4 micro-batches, no_sync": (
-        lambda: make_model("tiny-gpt"),
-        lambda r: make_batch("tiny-gpt", 8, seed=r),
-        {},
-        None,
-        4,
-    ),
-    "static_graph": (
-        lambda: make_model("tiny-gpt"),
-        lambda r: make_batch("tiny-gpt", 8, seed=r),
-        {"static_graph": True},
-        None,
-        1,
-    ),
+    "find_unused_parameters": _tiny_gpt({"find_unused_parameters": True}),
+    "fp16-compress hook": _tiny_gpt({}, hook=_fp16),
+    "gradient_as_bucket_view": _tiny_gpt({"gradient_as_bucket_view": True}),
+    "4 micro-batches, no_sync": _tiny_gpt({}, micro=4),
+    "static_graph": _tiny_gpt({"static_graph": True}),
 }
 
 

@@ -593,10 +593,15 @@ def test_a_hooked_bucket_reports_the_bytes_its_hook_sent(cluster2):
     assert all(kind == "Future" for _, kind, _ in r["sent"])
 
 
+class _Config:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
 def _refused(kind: str) -> None:
     kwargs = {
-        "skip_unused": {"skip_all_reduce_unused_params": True},
         "mixed_precision": {"mixed_precision": object()},
+        "mixed_dtype": {"mixed_precision": _Config(param_dtype="float16")},
         "delay": {"delay_all_reduce_named_params": [("w", object())]},
         "device_ids": {"device_ids": [0]},
         "two_device_ids": {"device_ids": [0, 1]},
@@ -607,14 +612,14 @@ def _refused(kind: str) -> None:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("skip_unused", "does not support skip_all_reduce_unused_params=True"),
-        ("mixed_precision", "does not support mixed_precision="),
+        ("mixed_precision", "mixed_precision=<object object at .*> has no param_dtype"),
+        ("mixed_dtype", "mixed_precision.param_dtype must be a torch.dtype or None, got 'float16'"),
         ("delay", "does not support delay_all_reduce_named_params="),
         ("device_ids", "device_ids and output_device arguments only work with"),
         ("two_device_ids", "device_ids can only be None or contain a single element"),
     ],
 )
-def test_torch_arguments_dplab_does_not_support_are_refused_by_name(cluster2, kind, message):
+def test_unsupported_or_bad_torch_arguments_are_refused_by_name(cluster2, kind, message):
     with pytest.raises(dplab.RankError, match=message):
         cluster2.run(_refused, kind)
 

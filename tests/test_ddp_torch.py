@@ -51,6 +51,20 @@ class TwoDtypes(nn.Module):
         return self.d(self.c(self.b(self.a(x).double()).float()).double())
 
 
+class Sparse(nn.Module):
+    """Sparse gradients between dense ones: torch gives each its own bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16, sparse=True)
+        self.mid = nn.Linear(16, 16)
+        self.bag = nn.EmbeddingBag(64, 16, sparse=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x).mean(1))) + self.bag(x))
+
+
 def linears(n=6, width=256):
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(n)])
 
@@ -61,6 +75,8 @@ def _model(kind: str) -> tuple[nn.Module, callable]:
         return Tied(), lambda step: torch.randint(0, 64, (4, 5), generator=_gen(step))
     if kind == "dtypes":
         return TwoDtypes(), lambda step: torch.randn(4, 16, generator=_gen(step))
+    if kind == "sparse":
+        return Sparse(), lambda step: torch.randint(0, 64, (4, 5), generator=_gen(step))
     if kind == "frozen":
         m = linears()
         for i in (0, 3):
@@ -102,7 +118,15 @@ def _side_by_side(
         model, batch = _model(kind)
         theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(model), **kwargs)
         ours = dplab.DDP(model, **kwargs)
-        out = {"torch": [_torch_buckets(theirs)], "dplab": [_ours(ours)], "grad_diffs": []}
+        # torch's reducer has no GradBucket for a sparse gradient before one exists: its buckets
+        # are read after the steps, and before them the sizes torch logs.
+        before = kind != "sparse"
+        out = {
+            "torch": [_torch_buckets(theirs)] if before else [],
+            "dplab": [_ours(ours)] if before else [],
+            "grad_diffs": [],
+            "sizes": [n._get_ddp_logging_data()["bucket_sizes"] for n in (theirs, ours)],
+        }
         nets = (ours, theirs)
         opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
         for step in range(steps):
@@ -132,7 +156,10 @@ def _grad_diff(a: nn.Module, b: nn.Module) -> float:
         if (p.grad is None) != (q.grad is None):
             return float("inf")  # one side has a gradient, the other none: a mismatch
         if p.grad is not None:
-            worst = max(worst, (p.grad.double() - q.grad.double()).abs().max().item())
+            if p.grad.is_sparse != q.grad.is_sparse:
+                return float("inf")
+            a_grad, b_grad = (g.to_dense() if g.is_sparse else g for g in (p.grad, q.grad))
+            worst = max(worst, (a_grad.double() - b_grad.double()).abs().max().item())
     return worst
 
 
@@ -170,6 +197,10 @@ def test_the_issues_table_six_linears(cluster2, kwargs, before, after):
         ("linears", {"bucket_cap_mb": 0.6}, {"DDP_SET_LAST_BUCKET_CAP": "1"}),
         ("linears", {}, {"DDP_SET_LAST_BUCKET_CAP": "1"}),
         ("linears", {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.5}, {}),
+        ("sparse", {}, {}),
+        ("sparse", {"bucket_cap_mb": 0.001}, {}),
+        ("sparse", {"find_unused_parameters": True, "bucket_cap_mb": 0.001}, {}),
+        ("sparse", {"gradient_as_bucket_view": True}, {}),
     ],
     ids=[
         "tied",
@@ -181,11 +212,16 @@ def test_the_issues_table_six_linears(cluster2, kwargs, before, after):
         "set-last-bucket-cap-0.6",
         "set-last-bucket-cap-default",
         "bucket-view",
+        "sparse",
+        "sparse-cap",
+        "sparse-find-unused",
+        "sparse-bucket-view",
     ],
 )
 def test_buckets_and_gradients_equal_torchs(cluster2, kind, kwargs, env):
     for r in cluster2.run(_side_by_side, kind, kwargs, env):
         assert r["dplab"] == r["torch"]
+        assert r["sizes"][1] == r["sizes"][0]  # the bucket bytes torch logs at construction
         assert r["grad_diffs"] == [0.0, 0.0, 0.0]
 
 
@@ -472,3 +508,108 @@ def _checkpoint() -> list[float]:
 def test_reentrant_checkpoint_around_the_first_ready_parameters(cluster2):
     for diffs in cluster2.run(_checkpoint):
         assert diffs == [0.0, 0.0, 0.0]
+
+
+class _OneUnused(nn.Module):
+    """torch's test_skip_all_reduce_unused_parameters model: fc2 never used, in its own bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(100, 5000, bias=False)
+        self.fc2 = nn.Linear(100, 100, bias=False)
+
+    def forward(self, x):
+        return self.fc1(x)
+
+
+def _skip_unused(skip: bool) -> dict:
+    torch.manual_seed(31415)
+    model = _OneUnused()
+    kwargs = {
+        "find_unused_parameters": True,
+        "bucket_cap_mb": 1.5,
+        "skip_all_reduce_unused_params": skip,
+    }
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(model), **kwargs)
+    ours = dplab.DDP(model, **kwargs)
+    for step in range(10):
+        x = torch.randn(20, 100, generator=_gen(step))
+        for net in (ours, theirs):
+            net(x).sum().backward()
+    return {
+        "reduced": [n._get_ddp_logging_data().get("num_buckets_reduced") for n in (theirs, ours)],
+        "buckets": [_torch_buckets(theirs), _ours(ours)],
+        "grad_diff": _grad_diff(ours.module, theirs.module),
+    }
+
+
+@pytest.mark.parametrize(("skip", "reduced"), [(False, 2), (True, 1)])
+def test_skip_all_reduce_unused_params_skips_the_unused_bucket_as_torch(cluster2, skip, reduced):
+    """The bucket of a parameter the forward never reached is not all-reduced (torch's
+    ``Reducer::should_skip_all_reduce_bucket``); torch's logging data counts the buckets that
+    were, and the gradients stay equal to torch's."""
+    for r in cluster2.run(_skip_unused, skip):
+        assert r["reduced"] == [reduced, reduced]
+        assert r["buckets"][1] == r["buckets"][0] == [["fc2.weight"], ["fc1.weight"]]
+        assert r["grad_diff"] == 0.0
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 1)
+        self.frozen = nn.Parameter(torch.randn(16), requires_grad=False)
+        self.register_buffer("shift", torch.randn(16))
+
+    def forward(self, x):
+        assert x.dtype == self.a.weight.dtype == self.shift.dtype == torch.float16
+        return self.b(torch.relu(self.a(x) + self.shift + self.frozen))
+
+
+def _mixed_precision(reduce_dtype: torch.dtype, views: bool, set_to_none: bool) -> dict:
+    """dplab.DDP with torch's ``_MixedPrecision`` against the arithmetic of torch's own hook
+    (``_reducer_allreduce_and_upcast_hook``), done by hand with plain autograd: a float16 copy
+    of the weights runs forward and backward, its gradients are cast to ``reduce_dtype``,
+    all-reduced, divided by the world size and cast up to float32."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    torch.manual_seed(0)
+    model = _WithBuffer()
+    config = _MixedPrecision(torch.float16, reduce_dtype, torch.float16)
+    ddp = dplab.DDP(copy.deepcopy(model), mixed_precision=config, gradient_as_bucket_view=views)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict = {"diffs": [], "dtypes": set()}
+    for step in range(4):
+        x = torch.randn(4, 8, generator=_gen(step))
+        ddp(x).float().sum().backward()
+        half = copy.deepcopy(model).half()
+        half(x.half()).float().sum().backward()
+        for p, q in zip(model.parameters(), half.parameters(), strict=True):
+            if q.grad is not None:
+                reduced = q.grad.to(reduce_dtype)
+                dist.all_reduce(reduced)
+                p.grad = reduced.div_(dist.get_world_size()).float()
+        out["diffs"].append(_grad_diff(ddp.module, model))
+        out["dtypes"] |= {
+            (str(p.dtype), str(p.grad.dtype)) for p in ddp.parameters() if p.grad is not None
+        }
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=set_to_none)
+    out["weights_equal"] = all(
+        torch.equal(p, q) for p, q in zip(ddp.module.parameters(), model.parameters(), strict=True)
+    )
+    out["twins"] = sorted({str(p._mp_param.dtype) for p in ddp.parameters()})
+    return out
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize(("views", "set_to_none"), [(False, True), (False, False), (True, True)])
+def test_mixed_precision_reduces_as_torchs_hook(cluster2, reduce_dtype, views, set_to_none):
+    for r in cluster2.run(_mixed_precision, reduce_dtype, views, set_to_none):
+        assert r["diffs"] == [0.0] * 4  # bit for bit, every step
+        assert r["weights_equal"]
+        assert r["dtypes"] == {("torch.float32", "torch.float32")}  # the optimizer steps in fp32
+        assert r["twins"] == ["torch.float16"]

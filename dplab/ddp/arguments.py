@@ -3,8 +3,8 @@
 dplab.DDP takes torch's arguments, with torch's defaults. This module holds the part of that
 contract that is about *arguments*, not about reducing gradients: the ones dplab refuses by name,
 the process group a ``device_mesh`` stands for, ``device_ids``/``output_device``, the modules torch
-cannot wrap (lazy ones) or whose gradients dplab does not reduce (sparse ones), and moving inputs
-to the module's device. Keeping it here leaves
+cannot wrap (lazy ones), the parameters whose gradients come sparse, and moving inputs to the
+module's device. Keeping it here leaves
 ``ddp.py`` to the mechanism a learner reads: hooks, buckets, launches, the end-of-backward wait.
 """
 
@@ -21,8 +21,6 @@ from torch import nn
 NOT_SUPPORTED: dict[str, Any] = {
     "delay_all_reduce_named_params": None,
     "param_to_hook_all_reduce": None,
-    "mixed_precision": None,
-    "skip_all_reduce_unused_params": False,
 }
 
 
@@ -81,9 +79,8 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
     return process_group if process_group is not None else dist.group.WORLD
 
 
-def check_wrappable(module: nn.Module, ignored: set[str]) -> None:
-    """Refuse the modules torch refuses (uninitialized lazy ones), and those whose gradients
-    dplab does not reduce (sparse ones), naming the cause before anything fails obscurely."""
+def check_wrappable(module: nn.Module) -> None:
+    """Refuse the modules torch refuses (uninitialized lazy ones), naming the parameter."""
     for name, p in module.named_parameters():
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise RuntimeError(
@@ -91,17 +88,18 @@ def check_wrappable(module: nn.Module, ignored: set[str]) -> None:
                 f"`DistributedDataParallel` (parameter {name!r} of a lazy module). "
                 "Run a dummy forward pass to correctly initialize the modules"
             )
-    for prefix, sub in module.named_modules():
-        if getattr(sub, "sparse", False) is not True:
-            continue
-        for name, p in sub.named_parameters(prefix=prefix, recurse=False):
-            if p.requires_grad and name not in ignored:
-                raise NotImplementedError(
-                    f"dplab.DDP does not support sparse gradients: parameter {name!r} of "
-                    f"{type(sub).__name__}(sparse=True) would get one (torch's "
-                    "DistributedDataParallel all-reduces it on gloo). Build the module with "
-                    "sparse=False, or use torch's DDP. See docs/ddp.md."
-                )
+
+
+def sparse_parameters(module: nn.Module) -> set[int]:
+    """``id()`` of every parameter whose gradient comes sparse: those of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` built with ``sparse=True``, the modules torch's DDP asks
+    (``_build_params_for_reducer``). Each gets a bucket of its own."""
+    return {
+        id(p)
+        for sub in module.modules()
+        if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse
+        for p in sub.parameters(recurse=False)
+    }
 
 
 def check_devices(

@@ -24,12 +24,11 @@ class BackwardState:
     __slots__ = (
         "got_grad",
         "hits",
-        "in_place",
-        "in_place_count",
         "next_bucket",
         "no_grad",
         "open",
         "order",
+        "outputs",
         "pending",
         "queued",
         "ready",
@@ -46,10 +45,9 @@ class BackwardState:
         self.ready = [False] * n_params
         self.pending = list(bucket_sizes)  # per bucket: gradients still to come
         self.next_bucket = 0  # buckets launch strictly in order: the next one to launch
-        self.works: list[Any] = []  # one future per launched bucket
+        self.outputs: dict[int, torch.Tensor] = {}  # mixed precision: bucket → what is summed
+        self.works: list[Any] = []  # per bucket in launch order: its future (None: skipped)
         self.no_grad: set[int] = set()  # parameters with no .grad when their bucket launched
-        self.in_place = [False] * n_params  # .grad already was its bucket view
-        self.in_place_count = [0] * len(bucket_sizes)
         self.ready_order: list[int] = []  # parameters in the order they became ready
         self.hits: list[int] = []  # static graph: gradients per parameter (made on first use)
         self.order: list[int] = []  # static graph's first iteration: first-gradient order

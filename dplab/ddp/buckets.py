@@ -82,11 +82,14 @@ def assign_buckets(
     limits: Sequence[int],
     *,
     in_given_order: bool = False,
+    alone: Sequence[bool] | None = None,
 ) -> list[list[int]]:
     """Group tensor indices into buckets; ``limits`` are bytes (first, then the rest).
 
     ``nbytes[i]`` and ``keys[i]`` (dtype, device) describe tensor ``i``. A bucket closes once its
     bytes reach its limit; every key walks ``limits`` on its own, staying on the last one.
+    A tensor marked in ``alone`` (a sparse gradient: it cannot be flattened with others) gets
+    a bucket of its own where it is met, touching no limit.
     With ``in_given_order`` (the rebuild after the first iteration, whose order is already the
     order gradients became ready) the buckets keep the order in which they closed, and the
     buckets still open at the end follow, the most recently seen key first: that is how torch's
@@ -101,6 +104,9 @@ def assign_buckets(
     limit_index: dict[Hashable, int] = {}
     closed: list[list[int]] = []
     for i, (size, key) in enumerate(zip(nbytes, keys, strict=True)):
+        if alone is not None and alone[i]:
+            closed.append([i])
+            continue
         indices, total = open_buckets.get(key, ([], 0))
         indices.append(i)
         total += size
@@ -125,6 +131,7 @@ def bucket_plan(
     bucket_cap_mb: float,
     first_bucket_cap_mb: float,
     in_given_order: bool = False,
+    alone: Sequence[bool] | None = None,
 ) -> list[list[int]]:
     """Buckets over ``(name, numel, nbytes, key)`` rows already in bucketing order.
 
@@ -140,6 +147,7 @@ def bucket_plan(
         [row[3] for row in named_sizes],
         limits,
         in_given_order=in_given_order,
+        alone=alone,
     )
 
 
@@ -150,6 +158,7 @@ def torch_initial_buckets(
     bucket_cap_mb: float,
     first_bucket_cap_mb: float,
     find_unused_parameters: bool,
+    alone: Sequence[bool] | None = None,
 ) -> list[list[int]]:
     """torch's buckets at construction over tensors in *registration* order (see the module doc).
 
@@ -162,7 +171,7 @@ def torch_initial_buckets(
         limits = [cap_bytes(first_bucket_cap_mb), cap_bytes(bucket_cap_mb)]
     else:
         limits = [cap_bytes(bucket_cap_mb)]
-    return list(reversed(assign_buckets(nbytes, keys, limits)))
+    return list(reversed(assign_buckets(nbytes, keys, limits, alone=alone)))
 
 
 def set_last_bucket_cap() -> bool:
@@ -178,6 +187,7 @@ def rebuilt_buckets(
     bucket_cap_mb: float,
     first_bucket_cap_mb: float,
     small_last: bool | None = None,
+    alone: Sequence[bool] | None = None,
 ) -> list[list[int]]:
     """Buckets over ``order`` (the order gradients became ready): torch's rebuild.
 
@@ -189,7 +199,11 @@ def rebuilt_buckets(
     walk = list(reversed(order)) if small_last else list(order)
     limits = [cap_bytes(first_bucket_cap_mb), cap_bytes(bucket_cap_mb)]
     plan = assign_buckets(
-        [nbytes[i] for i in walk], [keys[i] for i in walk], limits, in_given_order=True
+        [nbytes[i] for i in walk],
+        [keys[i] for i in walk],
+        limits,
+        in_given_order=True,
+        alone=None if alone is None else [alone[i] for i in walk],
     )
     buckets = [[walk[j] for j in bucket] for bucket in plan]
     return list(reversed(buckets)) if small_last else buckets

@@ -9,7 +9,8 @@ The life of one training step on every rank (torch's reducer, step by step):
    post-accumulate-grad hook that notes its gradient is in. When a bucket's last gradient is in,
    the bucket's gradients are copied into its flat buffer times 1/N (torch's default,
    ``gradient_as_bucket_view=False``: ``.grad`` stays its own tensor), or divided in place when
-   ``.grad`` already *is* a view of the bucket (``gradient_as_bucket_view=True``), and its
+   ``.grad`` already *is* a view of the bucket (``gradient_as_bucket_view=True``; a sparse
+   gradient is its own bucket and is divided in place too), and its
    all-reduce is launched asynchronously while autograd goes on with earlier layers. That is the
    overlap.
 3. Buckets are launched strictly in bucket order, so every rank issues the same sequence of
@@ -48,6 +49,7 @@ from dplab.ddp.arguments import (
     check_wrappable,
     refuse_unsupported,
     resolve_group,
+    sparse_parameters,
     sync_buffers_flags,
     to_device,
 )
@@ -61,8 +63,9 @@ from dplab.ddp.backward_state import (
 from dplab.ddp.buffer_sync import BufferSyncMixin
 from dplab.ddp.comm_hooks import GradBucket, hook_result, run_comm_hook
 from dplab.ddp.join import JoinMixin
-from dplab.ddp.layout import copy_out, fill, lay_out, scale
+from dplab.ddp.layout import copy_out, fill, lay_out, tensor_bytes
 from dplab.ddp.logging_data import LoggingData, LoggingMixin
+from dplab.ddp.mixed_precision import MixedPrecision
 from dplab.ddp.plans import PlanMixin
 from dplab.ddp.replicas import broadcast_from, check_same_parameters
 from dplab.ddp.rewrap import claim, remove_hooks
@@ -130,8 +133,6 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             {
                 "delay_all_reduce_named_params": delay_all_reduce_named_params,
                 "param_to_hook_all_reduce": param_to_hook_all_reduce,
-                "mixed_precision": mixed_precision,
-                "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
             },
             check_reduction=check_reduction,
         )
@@ -146,6 +147,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self._by_default_group = process_group is None and device_mesh is None
         self.dim = dim
         self.find_unused_parameters = bool(find_unused_parameters)
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = False
         self.require_backward_grad_sync = True  # toggled by no_sync(), read at forward
@@ -159,6 +161,14 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             check_same_parameters(named, self.process_group)
             buffers = self._current_buffers() if init_sync_buffers else []
             self._broadcast_from_rank_0([p.detach() for _, p in named] + buffers)
+        self.mixed_precision = mixed_precision
+        self._mixed = (
+            None
+            if mixed_precision is None
+            else MixedPrecision(mixed_precision, module, self._ignored)
+        )
+        # Full-precision gradients cannot be views of low-precision buckets.
+        self._grads_as_views = self.gradient_as_bucket_view and self._mixed is None
         self._comm_hook: Callable | None = None
         self._comm_hook_state: Any = None
         self._buffer_hook: tuple | None = None
@@ -175,6 +185,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self._unused_this_iteration: list[int] = []
         self._log_times = False  # this iteration's times go to the logging data
         self._unfinished: str | None = None  # the last backward left parameters unreduced
+        self._buckets_reduced = 0  # in the last synchronising backward (torch's logging data)
         self._start_hooks()
         self._logging = LoggingData()
         self._logging.construction(self, *self._bucket_bytes())
@@ -194,10 +205,12 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         the trainable parameters it reduces. Returns every kept parameter, frozen ones too."""
         self._ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.parameters_to_ignore = self._ignored  # torch's name
-        check_wrappable(module, self._ignored)
+        check_wrappable(module)
         named = self._kept_parameters()
         self._current_buffers()
         self._params = [(n, p) for n, p in named if p.requires_grad]
+        sparse = sparse_parameters(module)
+        self._sparse = frozenset(i for i, (_, p) in enumerate(self._params) if id(p) in sparse)
         if not self._params:
             raise RuntimeError(
                 f"{type(module).__name__} has no trainable parameters: nothing to all-reduce "
@@ -239,7 +252,9 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
 
     def _build_buckets(self, plan: list[list[int]]) -> None:
         """Give each bucket a flat buffer and each parameter a view of its slot in it."""
-        layout = lay_out(self._params, plan, grads_as_views=self.gradient_as_bucket_view)
+        dtype = None if self._mixed is None else self._mixed.param_dtype
+        views, sparse = self._grads_as_views, self._sparse
+        layout = lay_out(self._params, plan, grads_as_views=views, sparse=sparse, dtype=dtype)
         self._layout = layout
         self._bucket_params = layout.members
         self._bucket_of = layout.bucket_of
@@ -285,9 +300,14 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         if self.device_ids:
             args, kwargs = to_device((args, kwargs), self.device)
+        if self._mixed is not None:
+            self._mixed.to_low()
+            args, kwargs = self._mixed.cast_inputs((args, kwargs))
         if grad_enabled and self._watching:
             self._observer.forward_start()
         out = self.module(*args, **kwargs)
+        if self._mixed is not None and not grad_enabled:
+            self._mixed.to_full()  # no backward will follow to put full precision back
         if self._buffer_hook_at(post_forward=True):
             self._sync_buffers()
         self.require_forward_param_sync = sync
@@ -327,7 +347,10 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         collective still writes into a bucket) and forget its half-done state."""
         for work in self._st.works:
             with contextlib.suppress(Exception):
-                work.wait()
+                if work is not None:
+                    work.wait()
+        if self._mixed is not None:
+            self._mixed.to_full()
         missing = [i for i, ready in enumerate(self._st.ready) if not ready]
         if not self._order_recorded:
             self._ready_order = []
@@ -431,14 +454,28 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         """Launch every bucket that is ready, in bucket order, and stop at the first that isn't."""
         st = self._st
         while st.next_bucket < len(st.pending) and st.pending[st.next_bucket] == 0:
-            self._launch(st.next_bucket)
+            b = st.next_bucket
+            if self._skips(b):
+                st.works.append(None)
+            else:
+                self._launch(b)
             st.next_bucket += 1
+
+    def _skips(self, b: int) -> bool:
+        """torch's ``skip_all_reduce_unused_params``: a bucket that holds only parameters this
+        rank's forward did not reach is not all-reduced, and their ``.grad`` stays as it is
+        (``Reducer::should_skip_all_reduce_bucket``). The choice is this rank's own: the ranks
+        must agree on which parameters go unused, or their collectives stop matching."""
+        if not self.skip_all_reduce_unused_params or not self._unused_this_backward:
+            return False
+        unused = set(self._unused_this_backward)
+        return all(i in unused for i in self._bucket_params[b])
 
     def _launch(self, b: int) -> None:
         if self._log_times:
             self._logging.record("comm_start", first=True)
-        fill(self._layout, self._params, b, self._st, grads_as_views=self.gradient_as_bucket_view)
-        self._scale(b)
+        views, n = self._grads_as_views, self._divide_by()
+        fill(self._layout, self._params, b, self._st, grads_as_views=views, world_size=n)
         self._observer.allreduce_start(b)
         try:
             work, nbytes = self._start_collective(b)
@@ -448,12 +485,12 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self._st.works.append(work)
         self._observer.allreduce_launched(b, work, nbytes)
 
-    def _scale(self, b: int) -> None:
-        """Bucket ``b`` times 1/N, as torch does it (:func:`~dplab.ddp.layout.scale`)."""
+    def _divide_by(self) -> int:
+        """What each gradient is divided by before the all-reduce: the world size (the ranks
+        still in, under ``join``), or 1 when a comm hook owns the whole reduction (as torch;
+        mixed precision is one: torch runs it as a comm hook that divides after the sum)."""
         n = self._divisor()
-        if n == 1 or self._comm_hook is not None:
-            return  # a comm hook owns the whole reduction, division included (as in torch)
-        scale(self._layout, b, self._st, n)
+        return 1 if self._comm_hook is not None or self._mixed is not None else n
 
     def _start_collective(self, b: int) -> tuple[Any, int]:
         """Bucket ``b``'s all-reduce, or the comm hook's collective: (its future, bytes sent)."""
@@ -461,8 +498,10 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             bucket = GradBucket.of(self._layout, self._params, b)
             return run_comm_hook(self._comm_hook, self._comm_hook_state, bucket)
         buffer = self.bucket_buffers[b]
+        if self._mixed is not None:
+            buffer = self._st.outputs[b] = self._mixed.start_reduction(buffer)
         work: Any = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-        return work, buffer.numel() * buffer.element_size()
+        return work, tensor_bytes(buffer)
 
     def _end_of_backward(self) -> None:
         """Engine callback: every gradient is in. Launch what is left, wait, copy out, reset.
@@ -509,13 +548,17 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         for i in missing:
             self._mark_unused_ready(i)
         self._launch_ready_buckets()  # the naive variant launches everything here
+        skipped: set[int] = set()
         for b, work in enumerate(st.works):
+            if work is None:
+                skipped.update(self._bucket_params[b])
+                continue
             if self._comm_hook is None:
                 work.wait()
                 continue
-            result = hook_result(work.wait(), b)
-            if result is not self.bucket_buffers[b]:
-                self.bucket_buffers[b].copy_(result.view(-1))
+            result, buffer = hook_result(work.wait(), b), self.bucket_buffers[b]
+            if result is not buffer:
+                buffer.copy_(result if buffer.is_sparse else result.view(-1))
         if self._log_times:
             self._logging.record("comm_end")
         unused: set[int] = self._static_global_unused
@@ -531,11 +574,28 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             self._static_global_unused = unused
         self._unused_this_iteration = list(self._unused_this_backward) + missing
         self._last_ready_order = st.ready_order
-        views = self.gradient_as_bucket_view
-        copy_out(self._layout, self._params, unused, st.no_grad, grads_as_views=views)
+        self._buckets_reduced = len(st.works) - st.works.count(None)
+        untouched = unused | skipped if skipped else unused
+        if self._mixed is not None:
+            self._mixed.to_full(self._reduced_in_full(untouched))
+        else:
+            views = self._grads_as_views
+            copy_out(self._layout, self._params, untouched, st.no_grad, grads_as_views=views)
         self._wait_buffer_futures()
         if self._rebuild_pending and not self._order_recorded and self._ready_order:
             self._order_recorded = True
+
+    def _reduced_in_full(self, untouched: set[int]) -> dict[int, torch.Tensor]:
+        """Mixed precision: each bucket's sum divided by the world size, in ``reduce_dtype``,
+        as each parameter's view of it (``id`` of the parameter → view)."""
+        grads: dict[int, torch.Tensor] = {}
+        for b, out in self._st.outputs.items():
+            out.div_(self.world_size)
+            for i, offset in zip(self._bucket_params[b], self._layout.offsets[b], strict=True):
+                p = self._params[i][1]
+                if i not in untouched:
+                    grads[id(p)] = out[offset : offset + p.numel()].view(p.shape)
+        return grads
 
 
 __all__ = ["DDP"]

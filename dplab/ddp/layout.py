@@ -1,11 +1,13 @@
 """Buckets as memory: one flat buffer per bucket, and each parameter's view of its slot in it.
 
 :mod:`dplab.ddp.buckets` decides *which* gradients share an all-reduce (a plan: lists of parameter
-indices, in buffer order). This module gives a plan its memory, as torch's reducer does: a zeroed
-flat buffer per bucket (one dtype and device each), and for every parameter a view of its slot,
-shaped like the parameter. Gradients are copied into the views (:func:`fill`), scaled by 1/N
-(:func:`scale`), the buffer is all-reduced as one tensor, and the averages are copied back out of
-the views (:func:`copy_out`).
+indices, in buffer order). This module gives a plan its memory, as torch's reducer does: a flat
+buffer per bucket (one dtype and device each), and for every parameter a view of its slot, shaped
+like the parameter. Gradients go into the views times 1/N (:func:`fill`), the buffer is
+all-reduced as one tensor, and the averages are copied back out of the views (:func:`copy_out`).
+
+A sparse gradient (``nn.Embedding(sparse=True)``) cannot be flattened with others: its bucket
+holds it alone, and *is* the gradient (torch's ``mark_variable_ready_sparse``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Layout(NamedTuple):
     buckets: list[Bucket]  # per bucket: the public record (names, bytes, dtype)
     member_params: list[list[torch.Tensor]]  # per bucket: its parameters, in buffer order
     member_views: list[list[torch.Tensor]]  # per bucket: their slots, in the same order
+    sparse: frozenset[int]  # parameters whose gradients are sparse (each alone in its bucket)
 
 
 def sizes_and_keys(params: Named) -> tuple[list[int], list[tuple[torch.dtype, torch.device]]]:
@@ -44,12 +47,22 @@ def sizes_and_keys(params: Named) -> tuple[list[int], list[tuple[torch.dtype, to
 
 
 def static_plan(
-    params: Named, order: list[int], *, bucket_cap_mb: float, first_bucket_cap_mb: float
+    params: Named,
+    order: list[int],
+    *,
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float,
+    sparse: frozenset[int] = frozenset(),
 ) -> list[list[int]]:
     """The textbook cut: buckets filled over ``order`` with caps ``[first, cap]``."""
     nbytes, keys = sizes_and_keys(params)
     rows = [(params[i][0], 0, nbytes[i], keys[i]) for i in order]
-    plan = bucket_plan(rows, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
+    plan = bucket_plan(
+        rows,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        alone=[i in sparse for i in order],
+    )
     return [[order[j] for j in bucket] for bucket in plan]
 
 
@@ -60,27 +73,44 @@ def torch_plan(
     bucket_cap_mb: float,
     first_bucket_cap_mb: float,
     find_unused: bool,
+    sparse: frozenset[int] = frozenset(),
 ) -> list[list[int]]:
     """torch's buckets: at construction (``order`` None), or rebuilt over ``order``."""
     nbytes, keys = sizes_and_keys(params)
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb}
+    alone = [i in sparse for i in range(len(params))]
     if order is None:
-        return torch_initial_buckets(nbytes, keys, find_unused_parameters=find_unused, **caps)
-    return rebuilt_buckets(order, nbytes, keys, **caps)
+        return torch_initial_buckets(
+            nbytes, keys, find_unused_parameters=find_unused, alone=alone, **caps
+        )
+    return rebuilt_buckets(order, nbytes, keys, alone=alone, **caps)
 
 
-def per_bucket_plan(params: Named, caps: list[int]) -> list[list[int]]:
+def per_bucket_plan(
+    params: Named, caps: list[int], sparse: frozenset[int] = frozenset()
+) -> list[list[int]]:
     """torch's buckets under ``bucket_cap_mb_list``: registration order cut with ``caps``
     (bytes; one per bucket, the last repeated), then reversed."""
     nbytes, keys = sizes_and_keys(params)
-    return list(reversed(assign_buckets(nbytes, keys, caps)))
+    alone = [i in sparse for i in range(len(params))]
+    return list(reversed(assign_buckets(nbytes, keys, caps, alone=alone)))
 
 
-def lay_out(params: Named, plan: list[list[int]], *, grads_as_views: bool) -> Layout:
+def lay_out(
+    params: Named,
+    plan: list[list[int]],
+    *,
+    grads_as_views: bool,
+    sparse: frozenset[int] = frozenset(),
+    dtype: torch.dtype | None = None,
+) -> Layout:
     """Give each bucket of ``plan`` a flat buffer and each parameter a view of its slot.
 
     With ``grads_as_views`` (torch's ``gradient_as_bucket_view``) an existing ``.grad`` is
-    copied into its new slot and replaced by it, so gradients survive a rebuild, as in torch."""
+    copied into its new slot and replaced by it, so gradients survive a rebuild, as in torch.
+    A sparse parameter's bucket starts as an empty sparse tensor: :func:`fill` puts its
+    gradient there. ``dtype``: the buckets' dtype when it is not the parameters' (mixed
+    precision's ``param_dtype``)."""
     n = len(params)
     bucket_of, views = [0] * n, [torch.empty(0)] * n
     all_offsets: list[list[int]] = []
@@ -89,9 +119,18 @@ def lay_out(params: Named, plan: list[list[int]], *, grads_as_views: bool) -> La
     for b, members in enumerate(plan):
         first = params[members[0]][1]
         numel = sum(params[i][1].numel() for i in members)
-        buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        if members[0] in sparse:
+            buffer = torch.sparse_coo_tensor(
+                size=first.shape, dtype=first.dtype, device=first.device, check_invariants=False
+            )
+        else:
+            buffer = torch.zeros(numel, dtype=dtype or first.dtype, device=first.device)
         offset, offsets = 0, []
         for i in members:
+            if i in sparse:
+                bucket_of[i], views[i] = b, buffer
+                offsets.append(0)
+                continue
             p = params[i][1]
             view = buffer[offset : offset + p.numel()].view_as(p)
             offsets.append(offset)
@@ -112,22 +151,38 @@ def lay_out(params: Named, plan: list[list[int]], *, grads_as_views: bool) -> La
                 device=first.device,
             )
         )
-    ptrs = [view.data_ptr() for view in views]
+    ptrs = [0 if i in sparse else view.data_ptr() for i, view in enumerate(views)]
     member_params = [[params[i][1] for i in members] for members in plan]
     member_views = [[views[i] for i in members] for members in plan]
     return Layout(
-        plan, bucket_of, all_offsets, buffers, views, ptrs, buckets, member_params, member_views
+        plan,
+        bucket_of,
+        all_offsets,
+        buffers,
+        views,
+        ptrs,
+        buckets,
+        member_params,
+        member_views,
+        frozenset(sparse),
     )
 
 
-def fill(layout: Layout, params: Named, b: int, state: Any, *, grads_as_views: bool) -> None:
-    """torch's mark_variable_ready_dense, for a whole bucket: its gradients into their slots.
+def fill(
+    layout: Layout, params: Named, b: int, state: Any, *, grads_as_views: bool, world_size: int
+) -> None:
+    """torch's mark_variable_ready_dense, for a whole bucket: its gradients into their slots,
+    times 1/N (``world_size`` 1: as they are, when a comm hook owns the reduction).
 
-    A ``.grad`` that already is its slot (``gradient_as_bucket_view``) stays in place and is
-    noted in ``state`` (a :class:`~dplab.ddp.backward_state.BackwardState`) for :func:`scale`;
-    the others are copied with one ``_foreach_copy_`` (one call per bucket, not per gradient),
-    and with ``grads_as_views`` become views of their slots from then on. A parameter with no
-    ``.grad`` (unused) contributes zeros."""
+    torch scales while it copies (``at::mul_out(slot, grad, 1/N)``: one pass over memory), and a
+    ``.grad`` that already is its slot (``gradient_as_bucket_view``) is divided in place; the
+    bits are the same either way. Many small gradients are copied with one ``_foreach_copy_``
+    and the bucket scaled once: one call per bucket, not per gradient. With ``grads_as_views``
+    the others become views of their slots from then on. A parameter with no ``.grad`` (unused)
+    contributes zeros."""
+    if layout.members[b][0] in layout.sparse:
+        _fill_sparse(layout, params, b, world_size)
+        return
     if not grads_as_views:  # the common case: every .grad its own tensor, so copy them all
         grads = [p.grad for p in layout.member_params[b]]
         try:
@@ -135,7 +190,7 @@ def fill(layout: Layout, params: Named, b: int, state: Any, *, grads_as_views: b
         except AttributeError:  # a None .grad: the loop below zeroes its slot
             same_dtype = False
         if same_dtype:
-            torch._foreach_copy_(layout.member_views[b], grads)
+            _copy_scaled(layout.member_views[b], grads, layout.buffers[b], world_size)
             return
     dst, src = [], []
     for i in layout.members[b]:
@@ -143,8 +198,8 @@ def fill(layout: Layout, params: Named, b: int, state: Any, *, grads_as_views: b
         if grad is None:
             view.zero_()
         elif grad.data_ptr() == layout.view_ptrs[i]:
-            state.in_place[i] = True
-            state.in_place_count[b] += 1
+            if world_size != 1:
+                view.div_(world_size)
         elif grad.dtype != view.dtype or grad.device != view.device:
             raise RuntimeError(
                 f"parameter {params[i][0]!r} has a {grad.dtype} gradient on {grad.device} but "
@@ -156,30 +211,58 @@ def fill(layout: Layout, params: Named, b: int, state: Any, *, grads_as_views: b
             dst.append(view)
             src.append(grad)
     if dst:
-        torch._foreach_copy_(dst, src)
+        _copy_scaled(dst, src, None, world_size)
         if grads_as_views:
             for i in layout.members[b]:
                 if params[i][1].grad is not None:
                     params[i][1].grad = layout.views[i]
 
 
-def scale(layout: Layout, b: int, state: Any, world_size: int) -> None:
-    """Bucket ``b`` times 1/N (copied gradients) or / N (in-place ones), as torch does.
+SMALL_GRADIENT = 16384  # elements: below this on average, one _foreach_copy_ and one mul_
 
-    torch scales each gradient as it goes: ``grad * (1/N)`` into the slot when it copies,
-    ``slot / N`` in place when ``.grad`` already is the slot. Here the same operation is applied
-    to the whole bucket: the same bits per element, one call per bucket."""
-    n, buffer, count = world_size, layout.buffers[b], state.in_place_count[b]
-    if count == 0:
-        buffer.mul_(1.0 / n)
-    elif count == len(layout.members[b]):
-        buffer.div_(n)
-    else:  # mixed: the first step after zero_grad(set_to_none=True) with views
-        for i in layout.members[b]:
-            if state.in_place[i]:
-                layout.views[i].div_(n)
-            else:
-                layout.views[i].mul_(1.0 / n)
+
+def _copy_scaled(
+    dst: list[torch.Tensor], src: list[torch.Tensor], buffer: torch.Tensor | None, n: int
+) -> None:
+    """``dst[k] = src[k] * (1/n)``: per gradient in one pass (``mul`` with ``out=``, torch's
+    ``mul_out``), or, for many small ones, one ``_foreach_copy_`` and one multiply of ``buffer``
+    (the whole bucket) or of each slot. The product is the same float either way."""
+    if n == 1:
+        torch._foreach_copy_(dst, src)
+        return
+    factor = 1.0 / n
+    if sum(t.numel() for t in dst) >= SMALL_GRADIENT * len(dst):
+        for view, grad in zip(dst, src, strict=True):
+            torch.mul(grad, factor, out=view)
+        return
+    torch._foreach_copy_(dst, src)
+    if buffer is not None:
+        buffer.mul_(factor)
+    else:
+        torch._foreach_mul_(dst, factor)
+
+
+def _fill_sparse(layout: Layout, params: Named, b: int, world_size: int) -> None:
+    """torch's mark_variable_ready_sparse: the bucket *is* the gradient, divided in place."""
+    (i,) = layout.members[b]
+    name, param = params[i]
+    grad = param.grad
+    if grad is None:
+        raise RuntimeError(f"Expected sparse gradient to be defined (parameter {name!r}).")
+    if not grad.is_sparse:
+        raise RuntimeError(f"Expected variable to have sparse gradient (parameter {name!r}).")
+    if world_size != 1:
+        grad.div_(world_size)
+    layout.buffers[b] = grad
+    layout.views[i] = grad
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes an all-reduce of ``t`` carries: a sparse tensor sends its values and indices."""
+    if t.is_sparse:
+        values, indices = t._values(), t._indices()
+        return values.numel() * values.element_size() + indices.numel() * indices.element_size()
+    return t.numel() * t.element_size()
 
 
 def copy_out(
@@ -190,6 +273,8 @@ def copy_out(
     A parameter no rank used keeps its ``.grad`` untouched (None stays None, as in torch, so
     optimizers skip it); one only other ranks used gets their average. ``no_grad``: those that
     had no ``.grad`` when their bucket was filled."""
+    if layout.sparse:  # reduced in place: the .grad already holds the average
+        unused = unused | layout.sparse
     if grads_as_views:
         # Every gradient that came in already is its view (fill made it so); only those that
         # had none need pointing at theirs.

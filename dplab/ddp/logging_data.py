@@ -124,6 +124,7 @@ class LoggingData:
             d["rebuilt_per_bucket_param_indices"] = ", ".join(
                 " ".join(map(str, m)) for m in ddp._bucket_params
             )
+        d["num_buckets_reduced"] = ddp._buckets_reduced
         if ddp._last_ready_order:
             d["prev_iteration_grad_ready_order_indices"] = ", ".join(
                 map(str, ddp._last_ready_order)

@@ -64,19 +64,23 @@ class PlanMixin:
         """The buckets before the first step, as parameter indices in buffer order."""
         caps = self._caps()
         if self.bucket_bytes_cap_list:
-            return per_bucket_plan(self._params, self.bucket_bytes_cap_list)
+            return per_bucket_plan(self._params, self.bucket_bytes_cap_list, self._sparse)
         if not self.static_buckets:
             find_unused = self.find_unused_parameters and not self._static_requested
-            return torch_plan(self._params, None, find_unused=find_unused, **caps)
-        return static_plan(self._params, list(reversed(range(len(self._params)))), **caps)
+            return torch_plan(
+                self._params, None, find_unused=find_unused, sparse=self._sparse, **caps
+            )
+        return self._static_plan(list(reversed(range(len(self._params)))))
 
     def _static_plan(self, order: list[int]) -> list[list[int]]:
         """The textbook cut: buckets filled over ``order`` with caps ``[first, cap]``."""
-        return static_plan(self._params, order, **self._caps())
+        return static_plan(self._params, order, sparse=self._sparse, **self._caps())
 
     def _rebuilt_plan(self, order: list[int]) -> list[list[int]]:
         """The buckets over ``order``, the order rank 0's gradients became ready."""
-        return torch_plan(self._params, order, find_unused=False, **self._caps())
+        return torch_plan(
+            self._params, order, find_unused=False, sparse=self._sparse, **self._caps()
+        )
 
     def _bucket_bytes(self) -> tuple[list[int], list[int]]:
         """Each bucket's bytes, and its cap in bytes (what torch's logging data reports)."""

@@ -91,7 +91,7 @@ class TorchApiMixin:
         bucket. Buckets are not divided by the world size first: the hook does that."""
         try:
             check_comm_hook(hook)
-            if self._comm_hook is not None:
+            if self._comm_hook is not None or self._mixed is not None:  # mixed: torch's own hook
                 raise RuntimeError(
                     "register_comm_hook or register_builtin_comm_hook can only be called once."
                 )

@@ -86,7 +86,7 @@ def markdown(results: dict[tuple, Result]) -> str:
         "",
         "The runner can fail: `tests/conformance/test_conformance.py` plants three bugs in a copy "
         "of dplab and runs one of torch's tests on each: buckets summed instead of averaged "
-        "(`n = 1` in `_scale`) turns `test_DistributedDataParallelCPU` red; the rebuilt bucket "
+        "(`n = 1` in `_divide_by`) turns `test_DistributedDataParallelCPU` red; the rebuilt bucket "
         "order reversed turns `test_ddp_logging_data_cpu` red; buffers never broadcast turns "
         "`test_ddp_broadcast_buffer` (shim) red.",
         "",

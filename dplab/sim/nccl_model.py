@@ -28,8 +28,10 @@ runs in ``assets/data/nccl-tests-published.json``, never per row:
 - ``nvls_efficiency``: the same for NVLS and NVLS-tree (NCCL's model puts H100 NVLS near
   590 GB/s bus bandwidth; nccl-tests measure about 480);
 - ``fill_slices``: a pipeline-fill term, which is why bus bandwidth reaches its plateau only at
-  hundreds of MiB: for a ring, the time of this many NCCL Simple slices (1 MiB: buffSize 4 MiB /
-  NCCL_STEPS 8 × ALLREDUCE_SLICESTEPS 2) at one channel's speed; for a tree, this many times a
+  hundreds of MiB: for a ring, the time of this many NCCL Simple slices at one channel's speed
+  (1 MiB: buffSize 4 MiB / NCCL_STEPS 8 × ALLREDUCE_SLICESTEPS 2; under one loop of nRanks
+  2 MiB chunks a channel's share is cut in nRanks chunks of two slices each, as NCCL's kernel
+  does, ``all_reduce.h`` line 38, ``prims_simple.h`` lines 183-184); for a tree, this many times a
   one-step chunk's (512 KiB) trip up the tree and back down, each hop at its own speed (NVLink
   inside a node, the network between) — the fill NCCL's ``latency + bytes / bandwidth`` leaves
   out, and what most separates a 2-node tree's mid sizes (1–64 MiB) from its plateau;
@@ -39,6 +41,10 @@ runs in ``assets/data/nccl-tests-published.json``, never per row:
   of LL, LL128 and Simple, which decides the sizes where the model switches protocol), a factor
   on LL's and LL128's bandwidth (``proto_bw``), and what one process driving several GPUs
   (nccl-tests ``-g``) adds per extra GPU (``launch_us_per_gpu``).
+
+What NCCL does after it has chosen, and its model leaves out, is followed too: a small message
+runs on fewer channels (``enqueue.cc`` ``topoGetAlgoInfo``: a ring's LL needs 4 KiB per rank
+per channel), so it gets only those channels' bandwidth (:meth:`Topology.channels_used`).
 
 Everything here is closed form: a fabric's table of 12 (latency, bandwidth) pairs is built once,
 and a time is a handful of float operations, so a 1,024-rank step costs what a 2-rank one does.
@@ -137,6 +143,14 @@ NVLS_CHANNELS = {"hopper": 16, "blackwell": 24}  # one node; Blackwell multi-nod
 # tree chunks of one step (enqueue.cc calcCollChunking: chunkSteps = 1 off the ring)
 SIMPLE_STEP_BYTES = (1 << 22) // 8
 SIMPLE_SLICE_BYTES = SIMPLE_STEP_BYTES * 2
+SIMPLE_CHUNK_BYTES = SIMPLE_STEP_BYTES * 4  # ALLREDUCE_CHUNKSTEPS = NCCL_STEPS / 2
+# How many channels a message runs on (enqueue.cc topoGetAlgoInfo, lines 2071-2096): NCCL drops
+# channels while nBytes < nc · nThreads · threadThreshold. Threads per protocol: device.h lines
+# 95, 97, 114 (Simple and LL 512, LL128 640; a ring's Simple 256 where bwIntra · nChannels <=
+# PCI_BW, tuning.cc line 244); thresholds: comm.h lines 49-51 (LL 8, LL128 8, Simple 64), the
+# ring's LL one × nRanks (tuning.cc line 593).
+MAX_THREADS = {"LL": 512, "LL128": 640, "Simple": 512}
+THREAD_THRESHOLD = {"LL": 8, "LL128": 8, "Simple": 64}
 # What NCCL adds per network hop from its own plugins: ``props->latency = 0; // Not set`` in
 # src/transport/net_ib/init.cc and net_socket.cc (graph->latencyInter is that value). A vendor
 # plugin (aws-ofi-nccl for EFA) may set its own; the real hop cost has to be measured.
@@ -158,18 +172,18 @@ class Calibration:
     what a process driving g GPUs (nccl-tests ``-g``) adds per extra GPU.
     """
 
-    bw_efficiency: float = 0.92
-    nvls_efficiency: float = 0.782
-    fill_slices: float = 0.78
+    bw_efficiency: float = 0.921
+    nvls_efficiency: float = 0.783
+    fill_slices: float = 0.98
     latency_scale: float = 1.0
     net_latency_us: dict[str, float] = field(
-        default_factory=lambda: {"ib": 6.2, "roce": 6.2, "efa": 9.3, "tcp": 50.0}
+        default_factory=lambda: {"ib": 6.1, "roce": 6.1, "efa": 1.8, "tcp": 50.0}
     )
     proto_latency: dict[str, float] = field(
-        default_factory=lambda: {"LL": 1.121, "LL128": 0.66, "Simple": 1.629}
+        default_factory=lambda: {"LL": 1.107, "LL128": 0.657, "Simple": 2.088}
     )
-    proto_bw: dict[str, float] = field(default_factory=lambda: {"LL": 0.29, "LL128": 0.232})
-    launch_us_per_gpu: float = 3.665
+    proto_bw: dict[str, float] = field(default_factory=lambda: {"LL": 0.273, "LL128": 0.286})
+    launch_us_per_gpu: float = 3.048
 
     def __post_init__(self) -> None:
         for name, top in (("bw_efficiency", 2), ("nvls_efficiency", 2), ("latency_scale", 1e3)):
@@ -233,9 +247,9 @@ class Topology:
         return self.ppn * self.nodes
 
     @cached_property
-    def table(self) -> dict[tuple[str, str], tuple[float, float, float]]:
-        """(algorithm, protocol) → (latency µs, algorithm bandwidth GB/s, one channel's GB/s)
-        for every pair NCCL would enable here."""
+    def table(self) -> dict[tuple[str, str], tuple[float, float, float, float]]:
+        """(algorithm, protocol) → (latency µs, algorithm bandwidth GB/s, one channel's GB/s,
+        the share of the channels that bandwidth needs) for every pair NCCL would enable here."""
         return _tune(self)
 
     def available(self) -> tuple[str, ...]:
@@ -243,8 +257,15 @@ class Topology:
 
     def time_us(self, nbytes: float, algorithm: str, protocol: str) -> float:
         """Predicted µs of one all-reduce of ``nbytes`` with this algorithm and protocol."""
-        lat, bw, ch_bw = self.table[(algorithm, protocol)]
+        lat, bw, ch_bw, need = self.table[(algorithm, protocol)]
         p = PROTOCOLS.index(protocol)
+        used = self._ring_channels
+        if algorithm in ("ring", "tree"):
+            # NCCL ranks the choices on every channel, then runs a small message on fewer:
+            # the bandwidth those channels carry, up to what the full set reached (LL's cap)
+            nc = _channels(self, algorithm)[0]
+            used = self.channels_used(nbytes, algorithm, protocol)
+            bw *= min(1.0, used / (nc * need))
         log_size = int(math.log2(nbytes // 64)) if nbytes >= 64 else -1
         if algorithm == "tree" and 0 <= log_size < 23:
             bw *= TREE_CORRECTION[p][log_size]
@@ -255,16 +276,19 @@ class Topology:
         t = lat + nbytes / (1e3 * bw)
         if protocol == "Simple" and self.calibration.fill_slices:
             # pipeline fill: the first chunk crosses the pipeline before it streams
-            if algorithm == "tree":
-                nch, us_per_byte = self._tree_fill
-                t += (
-                    self.calibration.fill_slices
-                    * min(nbytes / nch, SIMPLE_STEP_BYTES)
-                    * us_per_byte
-                )
+            if algorithm == "tree":  # one step's chunk, or the channel's whole share
+                piece = min(nbytes / used, SIMPLE_STEP_BYTES)
+                t += self.calibration.fill_slices * piece * self._tree_fill_us_per_byte
+            elif algorithm == "ring":
+                # a channel's share, cut in nRanks chunks when under one loop (all_reduce.h
+                # line 38), each sent as two slices of at least 1/32 of a full one
+                # (prims_simple.h lines 183-184)
+                chunk = min(SIMPLE_CHUNK_BYTES, nbytes / used / n)
+                piece = max(chunk / 2, SIMPLE_SLICE_BYTES / 32)
+                t += self.calibration.fill_slices * piece / (1e3 * ch_bw)
             else:
-                per_ch = nbytes / max(1, self._ring_channels)
-                t += self.calibration.fill_slices * min(per_ch, SIMPLE_SLICE_BYTES) / (1e3 * ch_bw)
+                piece = min(nbytes / used, SIMPLE_SLICE_BYTES)
+                t += self.calibration.fill_slices * piece / (1e3 * ch_bw)
         return t
 
     def best(self, nbytes: float, algorithm: str = "auto") -> tuple[str, str, float]:
@@ -284,8 +308,8 @@ class Topology:
         return best
 
     @cached_property
-    def _tree_fill(self) -> tuple[int, float]:
-        """(tree channels, µs per byte of chunk) for the tree's pipeline fill: a chunk climbs
+    def _tree_fill_us_per_byte(self) -> float:
+        """µs per byte of chunk for the tree's pipeline fill: a chunk climbs
         the tree and comes back down before the tree streams, 2·((ppn−1) + log2(nodes)) hops,
         the hops of NCCL's own tree latency (tuning.cc); the ppn−1 chain hops inside a node at
         one channel's NVLink (or PCI) speed, the log2(nodes) network hops at one channel's
@@ -293,7 +317,19 @@ class Topology:
         nch = _channels(self, "tree")[0]
         ch_bw = self.table[("tree", "Simple")][2]
         intra_ch = self.intra_bw / nch * self.calibration.bw_efficiency
-        return nch, 2 * ((self.ppn - 1) / intra_ch + _log2i(self.nodes) / ch_bw) / 1e3
+        return 2 * ((self.ppn - 1) / intra_ch + _log2i(self.nodes) / ch_bw) / 1e3
+
+    def channels_used(self, nbytes: float, algorithm: str, protocol: str) -> int:
+        """Channels NCCL runs an all-reduce of ``nbytes`` on, with this ring or tree protocol
+        (:data:`THREAD_THRESHOLD`): a ring's LL needs 4 KiB per rank per channel, so 16 ranks
+        fill 24 channels only from 1.5 MiB; Simple 32 KiB per channel, LL128 5 KiB."""
+        nc = _channels(self, algorithm)[0]
+        nt, thr = MAX_THREADS[protocol], THREAD_THRESHOLD[protocol]
+        if algorithm == "ring" and protocol == "LL":
+            thr *= self.nranks
+        if algorithm == "ring" and protocol == "Simple" and _sum_bw(self, "ring") <= PCI_BW:
+            nt = 256
+        return max(1, min(nc, int(nbytes // (nt * thr))))
 
     @cached_property
     def _ring_channels(self) -> int:
@@ -346,7 +382,7 @@ def _sum_bw(t: Topology, algo: str) -> float:
     return min(t.intra_bw, net)
 
 
-def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float]]:
+def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float, float]]:
     cal = t.calibration
     n, nodes, ppn = t.nranks, t.nodes, t.ppn
     idx2 = min(nodes, 3) - 1
@@ -357,7 +393,7 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float]]:
     nvls_ok = t.nvswitch and t.intra_hw == "nvlink" and NVLS_EFFICIENCY[t.gen] > 0 and ppn > 1
     out: dict[tuple[str, str], tuple[float, float, float]] = {}
     if n <= 1:
-        return {(a, p): (0.0, math.inf, math.inf) for a in ("ring",) for p in PROTOCOLS}
+        return {(a, p): (0.0, math.inf, math.inf, 1.0) for a in ("ring",) for p in PROTOCOLS}
     for a in ALGORITHMS:
         if a == "nvls" and (not nvls_ok or nodes > 1):  # multi-node NVLS needs CollNet
             continue
@@ -365,6 +401,7 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float]]:
             continue
         nch, ch_bw = _channels(t, a)
         for pi, p in enumerate(PROTOCOLS):
+            need = 1.0
             if (a in ("nvls", "nvlstree") and p != "Simple") or p not in t.protocols:
                 continue
             if p == "LL128" and t.intra_hw != "nvlink":
@@ -381,12 +418,14 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float]]:
             else:
                 bus = _sum_bw(t, a)
                 if a == "ring" and p == "LL":
+                    need = min(1.0, ll_max / (bus * 0.5))
                     bus = min(ll_max, bus * 0.5)
                 if a == "ring" and p == "LL128":
                     bus = min(bus * 0.92, nch * PER_CH_RING_LL128_BW[t.gen][idx2])
                 if a == "tree":
                     bus = min(bus * 0.92, nch * PER_CH_TREE_BW[t.gen][idx2])
                     if p == "LL":
+                        need = min(1.0, ll_max / (bus / 3.8))
                         bus = min(bus / 3.8, ll_max)
                     if p == "LL128":
                         f = 7.0 / 9.0 if nodes == 1 else 120.0 / 128.0
@@ -419,6 +458,7 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float]]:
                 lat * cal.latency_scale,
                 algbw,
                 ch_bw * cal.bw_efficiency if a in ("ring", "tree") else ch_bw,
+                need,
             )
     return out
 

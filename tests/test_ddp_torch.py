@@ -613,3 +613,48 @@ def test_mixed_precision_reduces_as_torchs_hook(cluster2, reduce_dtype, views, s
         assert r["weights_equal"]
         assert r["dtypes"] == {("torch.float32", "torch.float32")}  # the optimizer steps in fp32
         assert r["twins"] == ["torch.float16"]
+
+
+class _Named(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))  # a root parameter: torch names it ".scale"
+        self.lin = nn.Linear(3, 3)
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.bias.requires_grad_(False)
+        self.emb = nn.Embedding(5, 3, sparse=True)
+
+    def forward(self, i):
+        return self.frozen(self.lin(self.emb(i) * self.scale))
+
+
+def _reducer_inputs() -> dict:
+    out = {}
+    for name, wrapper in (("torch", nn.parallel.DistributedDataParallel), ("dplab", dplab.DDP)):
+        torch.manual_seed(0)
+        model = _Named()
+        wrapper._set_params_and_buffers_to_ignore_for_model(model, ["frozen.weight"])
+        ddp = wrapper(model)
+        params, sparse = ddp._build_params_for_reducer()
+        errors = []
+        for wrong in ([*params, nn.Parameter(torch.ones(1))], params[:-1]):
+            try:
+                ddp._build_debug_param_to_name_mapping(wrong)
+            except ValueError as e:
+                errors.append(str(e).split(".")[0])
+        out[name] = {
+            "params": [n for p in params for n, q in model.named_parameters() if p is q],
+            "sparse": sparse,
+            "names": ddp._build_debug_param_to_name_mapping(params),
+            "errors": errors,
+        }
+    return out
+
+
+def test_the_reducers_inputs_and_their_names_are_torchs(cluster2):
+    """``_build_params_for_reducer`` and ``_build_debug_param_to_name_mapping``, read from torch's
+    own DDP on the same model: a root parameter, a frozen one, an ignored one, a sparse one."""
+    for r in cluster2.run(_reducer_inputs):
+        assert r["dplab"] == r["torch"]
+        assert r["torch"]["sparse"] == [False, False, False, True]
+        assert len(r["torch"]["errors"]) == 2

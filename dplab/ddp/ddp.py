@@ -165,7 +165,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self._mixed = (
             None
             if mixed_precision is None
-            else MixedPrecision(mixed_precision, module, self._ignored)
+            else MixedPrecision(mixed_precision, module, self._ignored, self.world_size)
         )
         # Full-precision gradients cannot be views of low-precision buckets.
         self._grads_as_views = self.gradient_as_bucket_view and self._mixed is None
@@ -577,25 +577,14 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self._buckets_reduced = len(st.works) - st.works.count(None)
         untouched = unused | skipped if skipped else unused
         if self._mixed is not None:
-            self._mixed.to_full(self._reduced_in_full(untouched))
+            grads = self._mixed.averaged(st.outputs, self._layout, self._params, untouched)
+            self._mixed.to_full(grads)
         else:
             views = self._grads_as_views
             copy_out(self._layout, self._params, untouched, st.no_grad, grads_as_views=views)
         self._wait_buffer_futures()
         if self._rebuild_pending and not self._order_recorded and self._ready_order:
             self._order_recorded = True
-
-    def _reduced_in_full(self, untouched: set[int]) -> dict[int, torch.Tensor]:
-        """Mixed precision: each bucket's sum divided by the world size, in ``reduce_dtype``,
-        as each parameter's view of it (``id`` of the parameter → view)."""
-        grads: dict[int, torch.Tensor] = {}
-        for b, out in self._st.outputs.items():
-            out.div_(self.world_size)
-            for i, offset in zip(self._bucket_params[b], self._layout.offsets[b], strict=True):
-                p = self._params[i][1]
-                if i not in untouched:
-                    grads[id(p)] = out[offset : offset + p.numel()].view(p.shape)
-        return grads
 
 
 __all__ = ["DDP"]

@@ -40,8 +40,9 @@ def _checked_dtype(config: Any, name: str) -> torch.dtype | None:
 class MixedPrecision:
     """One DDP's low-precision twins and the casts around its forward and its reduction."""
 
-    def __init__(self, config: Any, module: nn.Module, ignored: set[str]):
+    def __init__(self, config: Any, module: nn.Module, ignored: set[str], world_size: int):
         self.config = config
+        self.world_size = world_size
         param_dtype = _checked_dtype(config, "param_dtype")
         if param_dtype is None:
             raise ValueError(
@@ -96,6 +97,21 @@ class MixedPrecision:
     def start_reduction(self, bucket: torch.Tensor) -> torch.Tensor:
         """The tensor a bucket's all-reduce sums: the bucket itself, or a ``reduce_dtype`` copy."""
         return bucket if bucket.dtype == self.reduce_dtype else bucket.to(self.reduce_dtype)
+
+    def averaged(
+        self, outputs: dict[int, torch.Tensor], layout: Any, params: list, untouched: set[int]
+    ) -> dict[int, torch.Tensor]:
+        """Each reduced bucket (``outputs``: bucket → its sum, in ``reduce_dtype``) divided by
+        the world size after the sum, as torch's hook does; returned as each parameter's view of
+        it (``id`` of the parameter → view), leaving out the ``untouched`` parameters."""
+        grads: dict[int, torch.Tensor] = {}
+        for b, out in outputs.items():
+            out.div_(self.world_size)
+            for i, offset in zip(layout.members[b], layout.offsets[b], strict=True):
+                p = params[i][1]
+                if i not in untouched:
+                    grads[id(p)] = out[offset : offset + p.numel()].view(p.shape)
+        return grads
 
     def to_full(self, grads: dict[int, torch.Tensor] | None = None) -> None:
         """After the synchronising backward (or a forward without one): full-precision data back

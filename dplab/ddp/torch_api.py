@@ -64,11 +64,39 @@ class TorchApiMixin:
     def reducer(self) -> Any:
         _refuse("ddp.reducer", "dplab's buckets are ddp.buckets and ddp.bucket_buffers")
 
-    def _build_params_for_reducer(self) -> Any:
-        _refuse("_build_params_for_reducer()", "the reduced parameters are ddp._params")
+    def _build_params_for_reducer(self) -> tuple[list[nn.Parameter], list[bool]]:
+        """The parameters DDP reduces, in index order, and whether each expects a sparse
+        gradient: what torch hands its reducer, and what dplab.DDP reduces."""
+        params = [p for _, p in self._params]
+        return params, [i in self._sparse for i in range(len(params))]
 
-    def _build_debug_param_to_name_mapping(self, parameters: Any) -> Any:
-        _refuse("_build_debug_param_to_name_mapping()", "ddp._params pairs names and parameters")
+    def _build_debug_param_to_name_mapping(self, parameters: list[Any]) -> dict[int, str]:
+        """Index in ``parameters`` → the name torch reports for it (``"{module}.{param}"``, as
+        torch spells it: a root module's own parameter is ``".name"``). Every parameter DDP
+        reduces must be in ``parameters`` and nothing else, else ``ValueError`` (torch's)."""
+        index = {id(p): i for i, p in enumerate(parameters)}
+        names: dict[int, str] = {}
+        for prefix, sub in self.module.named_modules():
+            for name, param in sub.named_parameters(recurse=False):
+                fqn = f"{prefix}.{name}"
+                if not param.requires_grad or fqn in self._ignored:
+                    continue
+                if id(param) not in index:
+                    self._log_and_throw(
+                        ValueError,
+                        f"Param with name {fqn} found in module parameters, but not DDP "
+                        "parameters. This indicates a bug in DDP, please report an issue to "
+                        "PyTorch.",
+                    )
+                names[index[id(param)]] = fqn
+        if len(names) != len({id(p) for p in parameters}):
+            self._log_and_throw(
+                ValueError,
+                "Expected param to name mapping to cover all parameters, but got conflicting "
+                f"lengths: {len({id(p) for p in parameters})} vs {len(names)}. This indicates "
+                "a bug in DDP, please report an issue to PyTorch.",
+            )
+        return names
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         _refuse("_set_ddp_sink_clone()", "dplab.DDP has no _DDPSink: outputs are never cloned")

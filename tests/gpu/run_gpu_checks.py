@@ -17,7 +17,10 @@ all-reduce (it is a no-op), so a profiler finds nothing to time there. What one 
 4. NCCL at world size 1: dplab.DDP equals torch DDP bit for bit (the CUDA plumbing only: the
    collective itself is a no-op);
 5. memory (tests/gpu/check_memory.py): bytes/param of mixed-precision AdamW state, and
-   torch.cuda.max_memory_allocated during a step.
+   torch.cuda.max_memory_allocated during a step;
+6. torch's native ``mixed_precision`` (which needs CUDA events: torch's own DDP cannot run it on
+   CPU) and sparse gradients: two gloo ranks with CUDA tensors, dplab.DDP against torch DDP,
+   gradients and weights bit for bit.
 
 Each check returns its figures; the script writes them as JSON and exits non-zero on a failure.
 The parts that need no GPU run in CI (tests/gpu/test_gpu_logic.py). Record each run, with date
@@ -27,12 +30,14 @@ and hardware, in docs/gpu-results.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -162,12 +167,96 @@ def check_memory_on_gpu() -> dict:
     return check_memory()
 
 
+# -- 6. mixed precision and sparse gradients ---------------------------------------------------
+
+
+class SparseNet(nn.Module):
+    """A sparse embedding (its own bucket, a sparse all-reduce) before a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 16, sparse=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(i).mean(1))
+
+
+def _gap(a: nn.Module, b: nn.Module, grads: bool) -> float:
+    worst = 0.0
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        x, y = (p.grad, q.grad) if grads else (p.detach(), q.detach())
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return float("inf")
+            continue
+        x, y = (t.to_dense() if t.is_sparse else t for t in (x, y))
+        worst = max(worst, (x.double() - y.double()).abs().max().item())
+    return worst
+
+
+def _side_by_side(make: Any, batch: Any, steps: int = 3, **kwargs: Any) -> dict:
+    """The same model under both DDPs on cuda:0; worst gradient and weight gaps over ``steps``."""
+    device, rank = torch.device("cuda", 0), dist.get_rank()
+    torch.manual_seed(0)
+    base = make().to(device)
+    ours = dplab.DDP(copy.deepcopy(base), device_ids=[0], **kwargs)
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=[0], **kwargs)
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in (ours, theirs)]
+    out = {"grad_gap": 0.0, "weight_gap": 0.0, "grad_dtypes": set()}
+    for step in range(steps):
+        x = batch(torch.Generator().manual_seed(100 * step + rank)).to(device)
+        for net in (ours, theirs):
+            net(x).float().pow(2).mean().backward()
+        out["grad_gap"] = max(out["grad_gap"], _gap(ours.module, theirs.module, grads=True))
+        out["grad_dtypes"] |= {str(p.grad.dtype) for p in ours.parameters() if p.grad is not None}
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        out["weight_gap"] = max(out["weight_gap"], _gap(ours.module, theirs.module, grads=False))
+    out["grad_dtypes"] = sorted(out["grad_dtypes"])
+    return out
+
+
+def _mixed_and_sparse() -> dict:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def dense(g: torch.Generator) -> torch.Tensor:
+        return torch.randn(16, 32, generator=g)
+
+    def ids(g: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, 100, (8, 5), generator=g)
+
+    out = {}
+    for reduce in (torch.float16, torch.float32):
+        config = _MixedPrecision(torch.float16, reduce, torch.float16)
+        out[f"mixed_fp16_reduce_{reduce}"] = _side_by_side(mlp, dense, mixed_precision=config)
+    out["sparse"] = _side_by_side(SparseNet, ids)
+    return out
+
+
+def judge_mixed_and_sparse(results: list[dict]) -> dict:
+    for r in results:
+        for case, figures in r.items():
+            assert figures["grad_gap"] == 0.0 and figures["weight_gap"] == 0.0, (case, figures)
+            assert figures["grad_dtypes"] == ["torch.float32"], (case, figures)
+    return {"ranks": results}
+
+
+def check_mixed_precision_and_sparse_against_torch() -> dict:
+    return judge_mixed_and_sparse(dplab.launch(_mixed_and_sparse, 2, backend="gloo"))
+
+
 CHECKS = [
     check_stream_ordering,
     check_cuda_events_against_profiler,
     check_gloo_with_cuda_tensors,
     check_nccl_world_size_1,
     check_memory_on_gpu,
+    check_mixed_precision_and_sparse_against_torch,
 ]
 
 

@@ -99,7 +99,11 @@ class TorchApiMixin:
         return names
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
-        _refuse("_set_ddp_sink_clone()", "dplab.DDP has no _DDPSink: outputs are never cloned")
+        """torch's switch for cloning the forward's outputs in its ``_DDPSink`` autograd
+        function. dplab.DDP has no sink and never clones an output (what ``False`` asks for;
+        torch's ``test_ddp_sink_noclone`` checks no ``aten::clone`` runs), so the value is
+        only kept."""
+        self._ddp_sink_clone = bool(val)
 
     def _default_broadcast_coalesced(
         self, bufs: Any = None, bucket_size: Any = None, authoritative_rank: int = 0

@@ -658,3 +658,57 @@ def test_the_reducers_inputs_and_their_names_are_torchs(cluster2):
         assert r["dplab"] == r["torch"]
         assert r["torch"]["sparse"] == [False, False, False, True]
         assert len(r["torch"]["errors"]) == 2
+
+
+class _Branchy(nn.Module):
+    """lin2 is used on odd steps, and then only by rank 1 (torch's control-flow tests)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(10, 10, bias=False)
+        self.lin2 = nn.Linear(10, 10, bias=False)
+
+    def forward(self, x, step):
+        h = torch.relu(self.lin1(x))
+        return self.lin2(h) if step % 2 == 1 and dist.get_rank() == 1 else h
+
+
+def _reducer_reads() -> dict:
+    torch.manual_seed(0)
+    model = _Branchy()
+    nets = {
+        "torch": nn.parallel.DistributedDataParallel(
+            copy.deepcopy(model), find_unused_parameters=True
+        ),
+        "dplab": dplab.DDP(model, find_unused_parameters=True),
+    }
+    out = {k: {"used": [], "static": [], "buckets": []} for k in nets}
+    for step in range(4):
+        x = torch.randn(4, 10, generator=_gen(step))
+        for name, net in nets.items():
+            net(x, step).sum().backward()
+            r = out[name]
+            r["used"].append(net.reducer._get_local_used_map().tolist())
+            r["static"].append(net.reducer._ddp_graph_static())
+            buckets = net.reducer._get_zeros_like_grad_buckets()
+            r["buckets"].append(
+                [(b.index(), b.buffer().abs().sum().item(), b.buffer().numel()) for b in buckets]
+            )
+    out["rank"] = dist.get_rank()
+    try:
+        nets["dplab"].reducer._set_static_graph()
+    except NotImplementedError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_ddp_reducer_answers_what_torchs_tests_read(cluster2):
+    """``ddp.reducer``'s usage counts, static-graph flag and zero-filled buckets, read from both
+    DDPs on a model whose unused set changes with the step and differs across ranks."""
+    for r in cluster2.run(_reducer_reads):
+        assert r["dplab"] == r["torch"]
+        assert r["torch"]["used"] == [[2, 0], [2, 1], [2, 0], [2, 1]]
+        # rank 0 never uses lin2: its unused set never changes; rank 1's changes at step 1
+        expected = [True] * 4 if r["rank"] == 0 else [True] + [False] * 3
+        assert r["torch"]["static"] == expected
+        assert r["refused"].startswith("dplab.DDP does not support ddp.reducer._set_static_graph")

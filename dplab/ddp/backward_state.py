@@ -93,11 +93,21 @@ def unreachable(roots: list[torch.Tensor], index: dict[int, int]) -> list[int]:
     return [i for i in range(len(index)) if i not in reached]
 
 
-def globally_unused(used: set[int], n: int, device: torch.device, group: Any) -> set[int]:
-    """Parameters no rank used since the last sync (``used``: those this rank did): one small
-    all-reduce. Their ``.grad`` stays untouched, as in torch."""
+def used_counts(used: set[int], n: int, device: torch.device, group: Any) -> torch.Tensor:
+    """Per parameter, how many ranks used it since the last sync (``used``: those this rank
+    did): one small all-reduce, torch's ``local_used_map``."""
     flags = torch.zeros(n, dtype=torch.int32, device=device)
     if used:
         flags[sorted(used)] = 1
     dist.all_reduce(flags, group=group)
-    return {i for i, u in enumerate(flags.tolist()) if u == 0}
+    return flags
+
+
+def globally_unused(used: set[int], n: int, device: torch.device, group: Any) -> set[int]:
+    """Parameters no rank used since the last sync. Their ``.grad`` stays untouched, as in
+    torch."""
+    return unused_of(used_counts(used, n, device, group))
+
+
+def unused_of(counts: torch.Tensor) -> set[int]:
+    return {i for i, c in enumerate(counts.tolist()) if c == 0}

@@ -55,10 +55,11 @@ from dplab.ddp.arguments import (
 )
 from dplab.ddp.backward_state import (
     BackwardState,
-    globally_unused,
     output_hook,
     param_hook,
     unreachable,
+    unused_of,
+    used_counts,
 )
 from dplab.ddp.buffer_sync import BufferSyncMixin
 from dplab.ddp.comm_hooks import GradBucket, hook_result, run_comm_hook
@@ -186,6 +187,9 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self._log_times = False  # this iteration's times go to the logging data
         self._unfinished: str | None = None  # the last backward left parameters unreduced
         self._buckets_reduced = 0  # in the last synchronising backward (torch's logging data)
+        self._used_counts = torch.zeros(len(self._params), dtype=torch.int32)  # ranks per param
+        self._graph_static = True  # no forward has changed the set of unused parameters yet
+        self._unused_this_backward_last: list[int] = []
         self._start_hooks()
         self._logging = LoggingData()
         self._logging.construction(self, *self._bucket_bytes())
@@ -321,7 +325,10 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
                 self._unused_this_backward = self._static_unused
             elif self.find_unused_parameters:
                 with torch.autograd.profiler.record_function("search_unused_parameters"):
-                    self._unused_this_backward = unreachable(tensors, self._index)
+                    unused = unreachable(tensors, self._index)
+                if self._graph_static and self._logging.iterations > 1:  # torch: the same set
+                    self._graph_static = unused == self._unused_this_backward_last
+                self._unused_this_backward = self._unused_this_backward_last = unused
             me, generation = weakref.ref(self), self._generation
             for t in tensors:
                 t.register_hook(output_hook(me, generation))
@@ -564,9 +571,8 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         unused: set[int] = self._static_global_unused
         if first_static or (self.find_unused_parameters and not self.static_graph):
             n = len(self._params)
-            unused = globally_unused(
-                self._used_since_sync, n, self._comm_device, self.process_group
-            )
+            counts = used_counts(self._used_since_sync, n, self._comm_device, self.process_group)
+            self._used_counts, unused = counts, unused_of(counts)
         self._used_since_sync = set()
         if first_static:
             self._static_counts = st.hits or [0] * len(self._params)

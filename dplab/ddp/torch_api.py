@@ -4,7 +4,8 @@ Mixed into :class:`dplab.ddp.ddp.DDP`, so that ``ddp.py`` stays the step a learn
 static helpers torch's users call on the class, comm-hook and buffer-hook registration,
 ``no_sync``, ``_set_static_graph``, copying and pickling, and the re-wrap guard's ``detached``.
 Each follows torch 2.13's ``torch/nn/parallel/distributed.py``; where torch's method reaches
-into its C++ ``Reducer``, dplab has no such object and refuses by name.
+into its C++ ``Reducer``, ``ddp.reducer`` answers what dplab has of it
+(:mod:`dplab.ddp.reducer_view`) and refuses the rest by name.
 """
 
 from __future__ import annotations
@@ -18,18 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dplab.ddp.comm_hooks import check_comm_hook
+from dplab.ddp.reducer_view import ReducerView
 from dplab.ddp.replicas import broadcast_from
 from dplab.ddp.rewrap import remove_hooks
 from dplab.trace.observer import NullObserver
-
-
-def _refuse(feature: str, instead: str) -> None:
-    """A piece of torch's C++ Reducer that dplab.DDP has no equivalent of, refused by name."""
-    raise NotImplementedError(
-        f"dplab.DDP does not support {feature}: it reaches into torch's C++ Reducer, which "
-        f"dplab.DDP replaces with Python ({instead}). See docs/ddp.md."
-    )
-
 
 _NOT_PICKLED = ("process_group", "_lock", "_handles", "_st", "_comm_hook", "_comm_hook_state")
 
@@ -61,8 +54,9 @@ class TorchApiMixin:
                 yield param
 
     @property
-    def reducer(self) -> Any:
-        _refuse("ddp.reducer", "dplab's buckets are ddp.buckets and ddp.bucket_buffers")
+    def reducer(self) -> ReducerView:
+        """What torch's tests read from its C++ Reducer (:mod:`dplab.ddp.reducer_view`)."""
+        return ReducerView(self)
 
     def _build_params_for_reducer(self) -> tuple[list[nn.Parameter], list[bool]]:
         """The parameters DDP reduces, in index order, and whether each expects a sparse

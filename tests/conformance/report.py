@@ -17,6 +17,17 @@ COMMAND = (
 )
 
 
+# Tests that fail now and then on torch's own DDP as on dplab's, for a reason in the test itself.
+RACES = {
+    "test_post_localSGD_optimizer_step_reload": (
+        "a race in torch's test, not in DDP: `_rank_temp_file` removes rank 0's checkpoint when "
+        "rank 0 leaves the test, while another rank may still be about to `torch.load` it "
+        "(FileNotFoundError). With 3 ranks on 2 cores, 2026-12-04: torch's DDP failed 4 of 8 "
+        "runs at 3 ranks, dplab's 3 of 12 at 2 and 3 ranks, each time that way"
+    ),
+}
+
+
 def reason(r: Result | None) -> str:
     """The last line of the error (the exception and its message), one line for a table."""
     if r is None or not r.detail:
@@ -54,7 +65,10 @@ def tally(results: dict[tuple, Result], world: int) -> dict[str, Counter]:
     out = {"direct": Counter(), "shim": Counter()}
     for t, shim in counted(results, world):
         r = results.get((t, "dplab", world, shim))
-        out["shim" if shim else "direct"][r.outcome if r else "not run"] += 1
+        outcome = r.outcome if r else "not run"
+        if outcome == "fail" and t in RACES and "FileNotFoundError" in r.detail:
+            outcome = "race"
+        out["shim" if shim else "direct"][outcome] += 1
     return out
 
 
@@ -92,15 +106,15 @@ def markdown(results: dict[tuple, Result]) -> str:
         "",
         "## Summary",
         "",
-        "| world size | mode | counted | dplab pass | refused | fail | timeout |",
-        "|---|---|---|---|---|---|---|",
+        "| world size | mode | counted | dplab pass | refused | fail | timeout | torch's race |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for w in worlds:
         for mode, c in tally(results, w).items():
             n = sum(c.values())
             lines.append(
                 f"| {w} | {mode} | {n} | {c['pass']} | {c['refused']} | {c['fail']} | "
-                f"{c['timeout']} |"
+                f"{c['timeout']} | {c['race']} |"
             )
     for w in worlds:
         lines += [
@@ -114,7 +128,8 @@ def markdown(results: dict[tuple, Result]) -> str:
             d = results.get((t, "dplab", w, shim))
             mode = "shim" if shim else "direct"
             dplab = d.outcome if d else "not run"
-            lines.append(f"| `{t}` | {mode} | pass | {dplab} | {reason(d)} |")
+            why = RACES[t] if t in RACES and dplab == "fail" else reason(d)
+            lines.append(f"| `{t}` | {mode} | pass | {dplab} | {why} |")
         lines += ["", f"Not counted at world size {w} (torch's DDP does not pass):", ""]
         lines += ["| test | torch direct | torch shim | reason |", "|---|---|---|---|"]
         done = {t for t, _ in counted(results, w)}

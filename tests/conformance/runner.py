@@ -97,7 +97,8 @@ class Pool:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
             if p.stdin:
-                p.stdin.close()
+                with contextlib.suppress(OSError):  # a dead rank's pipe may still hold a command
+                    p.stdin.close()
         self.procs = []
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ DDP as the control) is ``python -m tests.conformance`` (docs/ddp-conformance.md)
 - a subset at world size 2, chosen so that each idea torch's tests check is covered once:
   gradients against local training (directly and under the CPU shim), comm hooks, buffers
   reassigned after wrapping, uneven inputs under ``join()``, static graph with two forwards,
-  per-bucket caps, undefined gradients, the logging data; torch's DDP passes each of them too
+  per-bucket caps, undefined gradients, skipped unused buckets, mixed precision's
+  low-precision twins, the logging data; torch's DDP passes each of them too
   (the control runs in the same test, so a test torch stops passing is not counted silently);
 - three planted bugs in a copy of dplab (``tests/mutation_harness.copy_package``), each turning
   at least one of torch's tests red.
@@ -29,6 +30,8 @@ SHIMMED = [
     "test_static_graph_multi_forward",
     "test_ddp_bucket_cap_mb_list",
     "test_undefined_grad_parity_unused_parameters",
+    "test_skip_all_reduce_unused_parameters",
+    "test_ddp_native_mixed_precision_ignored_params",
 ]
 
 MUTATIONS = [

@@ -16,23 +16,32 @@ from typing import Any
 from dplab.sim.nccl_model import Calibration
 from dplab.sim.nccl_tests import NcclTestsRow, parse_nccl_tests
 
+# From this many measured sizes a user's log also fits LL's and LL128's bandwidth: a sweep at
+# every power of two has then a few rows on each protocol, and the protocol switch (64 KiB-1 MiB)
+# is where one bandwidth factor for all protocols misses most.
+PROTOCOL_FIT_POINTS = 8
+
 
 def fit_constants(
     cal0: Calibration,
     predict: Callable[[Calibration, float], float],
     points: Sequence[tuple[float, float]],
 ) -> tuple[Calibration, str]:
-    """``cal0`` with bandwidth, latency (and, from 3 points, pipeline fill) fitted so that
+    """``cal0`` with bandwidth, latency (and, from 3 points, pipeline fill; from
+    :data:`PROTOCOL_FIT_POINTS`, LL's and LL128's own bandwidth) fitted so that
     ``predict(calibration, bytes)`` (seconds) meets the measured ``points``; and a sentence
     saying what was fitted. Knows nothing of fabrics: the caller says how to predict."""
     top = 2.0 / max(cal0.bw_efficiency, cal0.nvls_efficiency)
+    lows = sorted(cal0.proto_bw)  # the protocols below Simple whose bandwidth has a factor
 
     def cal_of(x: Sequence[float]) -> Calibration:
+        proto_bw = {p: min(100.0, cal0.proto_bw[p] * f) for p, f in zip(lows, x[3:], strict=False)}
         return cal0.with_(
             bw_efficiency=min(2.0, cal0.bw_efficiency * x[0]),
             nvls_efficiency=min(2.0, cal0.nvls_efficiency * x[0]),
             latency_scale=cal0.latency_scale * x[1],
             fill_slices=x[2] - 1e-3,
+            proto_bw={**cal0.proto_bw, **proto_bw},
         )
 
     def err(x: Sequence[float]) -> float:
@@ -45,6 +54,9 @@ def fit_constants(
         x = [*minimize_log(lambda y: err([*y, x0[2]]), x0[:2], bounds=bounds[:2]), x0[2]]
         if len(points) >= 3:
             x = minimize_log(err, x, bounds=bounds)
+        if len(points) >= PROTOCOL_FIT_POINTS and lows:
+            more = [(0.1, 10.0)] * len(lows)
+            x = minimize_log(err, [*x, *[1.0] * len(lows)], bounds=[*bounds, *more])
     else:  # one row: the factor its size depends on
         i = 0 if points[0][0] >= 2**20 else 1
         xi = minimize_log(lambda y: err([*x0[:i], y[0], *x0[i + 1 :]]), [1.0], bounds=[bounds[i]])
@@ -52,7 +64,7 @@ def fit_constants(
     what = (
         f"fit to {len(points)} measured sizes: bandwidth × {x[0]:.3g}, latency × "
         f"{x[1]:.3g}, pipeline fill {x[2] - 1e-3:.3g} slices"
-    )
+    ) + "".join(f", {p} bandwidth × {f:.3g}" for p, f in zip(lows, x[3:], strict=False))
     return cal_of(x), what
 
 

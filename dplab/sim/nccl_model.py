@@ -28,13 +28,14 @@ runs in ``assets/data/nccl-tests-published.json``, never per row:
 - ``nvls_efficiency``: the same for NVLS and NVLS-tree (NCCL's model puts H100 NVLS near
   590 GB/s bus bandwidth; nccl-tests measure about 480);
 - ``fill_slices``: a pipeline-fill term, which is why bus bandwidth reaches its plateau only at
-  hundreds of MiB: for a ring, the time of this many NCCL Simple slices at one channel's speed
-  (1 MiB: buffSize 4 MiB / NCCL_STEPS 8 × ALLREDUCE_SLICESTEPS 2; under one loop of nRanks
-  2 MiB chunks a channel's share is cut in nRanks chunks of two slices each, as NCCL's kernel
-  does, ``all_reduce.h`` line 38, ``prims_simple.h`` lines 183-184); for a tree, this many times a
-  one-step chunk's (512 KiB) trip up the tree and back down, each hop at its own speed (NVLink
-  inside a node, the network between) — the fill NCCL's ``latency + bytes / bandwidth`` leaves
-  out, and what most separates a 2-node tree's mid sizes (1–64 MiB) from its plateau;
+  hundreds of MiB: for a ring, the time of this many NCCL Simple slices at one launched
+  channel's speed (1 MiB: buffSize 4 MiB / NCCL_STEPS 8 × ALLREDUCE_SLICESTEPS 2; under one
+  loop of nRanks 2 MiB chunks a channel's share is cut in nRanks chunks of two slices each, as
+  NCCL's kernel does, ``all_reduce.h`` line 38, ``prims_simple.h`` lines 183-184); for a tree,
+  this many times a one-step chunk's (512 KiB, or a channel's whole share) trip up the tree
+  and back down, each hop at its own speed (NVLink inside a node, the network between) — the
+  fill NCCL's ``latency + bytes / bandwidth`` leaves out, and what most separates a 2-node
+  tree's mid sizes (1–64 MiB) from its plateau;
 - per network kind, the inter-node latency NCCL gets from its network plugin
   (``graph->latencyInter``), which the source does not fix.
 - per protocol, a factor on NCCL's base and intra-node latencies (``proto_latency``: the floor
@@ -42,9 +43,13 @@ runs in ``assets/data/nccl-tests-published.json``, never per row:
   on LL's and LL128's bandwidth (``proto_bw``), and what one process driving several GPUs
   (nccl-tests ``-g``) adds per extra GPU (``launch_us_per_gpu``).
 
-What NCCL does after it has chosen, and its model leaves out, is followed too: a small message
-runs on fewer channels (``enqueue.cc`` ``topoGetAlgoInfo``: a ring's LL needs 4 KiB per rank
-per channel), so it gets only those channels' bandwidth (:meth:`Topology.channels_used`).
+The fill follows what NCCL does after it has chosen, which its model leaves out: it launches
+twice the channels its search found, each at half a search channel's speed
+(:attr:`Topology.runtime_channels`), and runs a small message on fewer of them, each with a
+bigger share (``enqueue.cc`` ``topoGetAlgoInfo``, :meth:`Topology.channels_used`). Tried and not
+kept: giving a small message only its channels' share of the bandwidth too (leave one source
+out, 1–32 MiB 9.8 % → 9.5 %, but a user's own log, 64 KiB–1 MiB, 11.3 % → 14.7 %: how fast one
+channel runs LL is not in NCCL's source).
 
 Everything here is closed form: a fabric's table of 12 (latency, bandwidth) pairs is built once,
 and a time is a handful of float operations, so a 1,024-rank step costs what a 2-rank one does.
@@ -172,18 +177,18 @@ class Calibration:
     what a process driving g GPUs (nccl-tests ``-g``) adds per extra GPU.
     """
 
-    bw_efficiency: float = 0.921
+    bw_efficiency: float = 0.926
     nvls_efficiency: float = 0.783
-    fill_slices: float = 0.98
+    fill_slices: float = 1.0
     latency_scale: float = 1.0
     net_latency_us: dict[str, float] = field(
-        default_factory=lambda: {"ib": 6.1, "roce": 6.1, "efa": 1.8, "tcp": 50.0}
+        default_factory=lambda: {"ib": 6.2, "roce": 6.2, "efa": 1.8, "tcp": 50.0}
     )
     proto_latency: dict[str, float] = field(
-        default_factory=lambda: {"LL": 1.107, "LL128": 0.657, "Simple": 2.088}
+        default_factory=lambda: {"LL": 1.121, "LL128": 0.67, "Simple": 2.071}
     )
-    proto_bw: dict[str, float] = field(default_factory=lambda: {"LL": 0.273, "LL128": 0.286})
-    launch_us_per_gpu: float = 3.048
+    proto_bw: dict[str, float] = field(default_factory=lambda: {"LL": 0.289, "LL128": 0.286})
+    launch_us_per_gpu: float = 3.667
 
     def __post_init__(self) -> None:
         for name, top in (("bw_efficiency", 2), ("nvls_efficiency", 2), ("latency_scale", 1e3)):
@@ -247,9 +252,9 @@ class Topology:
         return self.ppn * self.nodes
 
     @cached_property
-    def table(self) -> dict[tuple[str, str], tuple[float, float, float, float]]:
-        """(algorithm, protocol) → (latency µs, algorithm bandwidth GB/s, one channel's GB/s,
-        the share of the channels that bandwidth needs) for every pair NCCL would enable here."""
+    def table(self) -> dict[tuple[str, str], tuple[float, float, float]]:
+        """(algorithm, protocol) → (latency µs, algorithm bandwidth GB/s, one channel's GB/s)
+        for every pair NCCL would enable here."""
         return _tune(self)
 
     def available(self) -> tuple[str, ...]:
@@ -257,20 +262,18 @@ class Topology:
 
     def time_us(self, nbytes: float, algorithm: str, protocol: str) -> float:
         """Predicted µs of one all-reduce of ``nbytes`` with this algorithm and protocol."""
-        lat, bw, ch_bw, need = self.table[(algorithm, protocol)]
+        lat, bw, ch_bw = self.table[(algorithm, protocol)]
         p = PROTOCOLS.index(protocol)
-        used = self._ring_channels
+        n, run = self.nranks, self.runtime_channels
+        used = run
         if algorithm in ("ring", "tree"):
-            # NCCL ranks the choices on every channel, then runs a small message on fewer:
-            # the bandwidth those channels carry, up to what the full set reached (LL's cap)
-            nc = _channels(self, algorithm)[0]
+            # a small message runs on fewer channels, each with a bigger share to pipeline
             used = self.channels_used(nbytes, algorithm, protocol)
-            bw *= min(1.0, used / (nc * need))
+            ch_bw *= _channels(self, algorithm)[0] / run  # a launched channel's speed
         log_size = int(math.log2(nbytes // 64)) if nbytes >= 64 else -1
         if algorithm == "tree" and 0 <= log_size < 23:
             bw *= TREE_CORRECTION[p][log_size]
-        n = self.nranks
-        plateau = nbytes / (self._ring_channels * n) >= 64
+        plateau = nbytes / (run * n) >= 64
         if algorithm == "ring" and protocol == "Simple" and self.nodes > 1 and plateau:
             lat *= 1.9 if self.gen == "volta" else 1.4  # the ring's "plateau effect"
         t = lat + nbytes / (1e3 * bw)
@@ -278,7 +281,8 @@ class Topology:
             # pipeline fill: the first chunk crosses the pipeline before it streams
             if algorithm == "tree":  # one step's chunk, or the channel's whole share
                 piece = min(nbytes / used, SIMPLE_STEP_BYTES)
-                t += self.calibration.fill_slices * piece * self._tree_fill_us_per_byte
+                slower = run / _channels(self, "tree")[0]
+                t += self.calibration.fill_slices * piece * self._tree_fill_us_per_byte * slower
             elif algorithm == "ring":
                 # a channel's share, cut in nRanks chunks when under one loop (all_reduce.h
                 # line 38), each sent as two slices of at least 1/32 of a full one
@@ -287,7 +291,7 @@ class Topology:
                 piece = max(chunk / 2, SIMPLE_SLICE_BYTES / 32)
                 t += self.calibration.fill_slices * piece / (1e3 * ch_bw)
             else:
-                piece = min(nbytes / used, SIMPLE_SLICE_BYTES)
+                piece = min(nbytes / self._ring_channels, SIMPLE_SLICE_BYTES)
                 t += self.calibration.fill_slices * piece / (1e3 * ch_bw)
         return t
 
@@ -321,15 +325,29 @@ class Topology:
 
     def channels_used(self, nbytes: float, algorithm: str, protocol: str) -> int:
         """Channels NCCL runs an all-reduce of ``nbytes`` on, with this ring or tree protocol
-        (:data:`THREAD_THRESHOLD`): a ring's LL needs 4 KiB per rank per channel, so 16 ranks
-        fill 24 channels only from 1.5 MiB; Simple 32 KiB per channel, LL128 5 KiB."""
-        nc = _channels(self, algorithm)[0]
+        (:data:`THREAD_THRESHOLD`), out of :attr:`runtime_channels`: a ring's LL needs 4 KiB
+        per rank per channel, so 16 ranks fill 24 channels only from 1.5 MiB; Simple 32 KiB
+        per channel, LL128 5 KiB."""
+        nc = self.runtime_channels
         nt, thr = MAX_THREADS[protocol], THREAD_THRESHOLD[protocol]
         if algorithm == "ring" and protocol == "LL":
             thr *= self.nranks
         if algorithm == "ring" and protocol == "Simple" and _sum_bw(self, "ring") <= PCI_BW:
             nt = 256
         return max(1, min(nc, int(nbytes // (nt * thr))))
+
+    @cached_property
+    def runtime_channels(self) -> int:
+        """Channels NCCL launches for ring and tree (``comm->nChannels``): the search's (the
+        fewer of ring and tree, init.cc line 1459) doubled (connect.cc ncclTopoPostset, line
+        460, up to MAXCHANNELS 64), and doubled again below 16 on Hopper and later across nodes
+        when a ring channel runs above 45 GB/s (line 481). Each runs at its share of the
+        search channels' speed."""
+        nc, speed = _channels(self, "ring")
+        run = min(64, 2 * min(nc, _channels(self, "tree")[0]))
+        if GENERATIONS.index(self.gen) >= 2 and self.nodes > 1 and speed > 45 and run < 16:
+            run *= 2
+        return run
 
     @cached_property
     def _ring_channels(self) -> int:
@@ -382,7 +400,7 @@ def _sum_bw(t: Topology, algo: str) -> float:
     return min(t.intra_bw, net)
 
 
-def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float, float]]:
+def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float]]:
     cal = t.calibration
     n, nodes, ppn = t.nranks, t.nodes, t.ppn
     idx2 = min(nodes, 3) - 1
@@ -393,7 +411,7 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float, float
     nvls_ok = t.nvswitch and t.intra_hw == "nvlink" and NVLS_EFFICIENCY[t.gen] > 0 and ppn > 1
     out: dict[tuple[str, str], tuple[float, float, float]] = {}
     if n <= 1:
-        return {(a, p): (0.0, math.inf, math.inf, 1.0) for a in ("ring",) for p in PROTOCOLS}
+        return {(a, p): (0.0, math.inf, math.inf) for a in ("ring",) for p in PROTOCOLS}
     for a in ALGORITHMS:
         if a == "nvls" and (not nvls_ok or nodes > 1):  # multi-node NVLS needs CollNet
             continue
@@ -401,7 +419,6 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float, float
             continue
         nch, ch_bw = _channels(t, a)
         for pi, p in enumerate(PROTOCOLS):
-            need = 1.0
             if (a in ("nvls", "nvlstree") and p != "Simple") or p not in t.protocols:
                 continue
             if p == "LL128" and t.intra_hw != "nvlink":
@@ -418,14 +435,12 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float, float
             else:
                 bus = _sum_bw(t, a)
                 if a == "ring" and p == "LL":
-                    need = min(1.0, ll_max / (bus * 0.5))
                     bus = min(ll_max, bus * 0.5)
                 if a == "ring" and p == "LL128":
                     bus = min(bus * 0.92, nch * PER_CH_RING_LL128_BW[t.gen][idx2])
                 if a == "tree":
                     bus = min(bus * 0.92, nch * PER_CH_TREE_BW[t.gen][idx2])
                     if p == "LL":
-                        need = min(1.0, ll_max / (bus / 3.8))
                         bus = min(bus / 3.8, ll_max)
                     if p == "LL128":
                         f = 7.0 / 9.0 if nodes == 1 else 120.0 / 128.0
@@ -458,7 +473,6 @@ def _tune(t: Topology) -> dict[tuple[str, str], tuple[float, float, float, float
                 lat * cal.latency_scale,
                 algbw,
                 ch_bw * cal.bw_efficiency if a in ("ring", "tree") else ch_bw,
-                need,
             )
     return out
 

@@ -112,10 +112,14 @@ def check_comm_hook(hook: Any) -> None:
         )
 
 
-def run_comm_hook(hook: Callable, state: Any, bucket: GradBucket) -> tuple[Any, int]:
+def run_comm_hook(
+    hook: Callable, state: Any, bucket: GradBucket, *, count: bool = True
+) -> tuple[Any, int]:
     """Call ``hook`` on ``bucket`` in place of its all-reduce: (its Future, the bytes its
-    collectives carried)."""
-    with count_sent_bytes() as sent:
+    collectives carried; 0 unless ``count``: counting patches torch.distributed for the call,
+    which only a tracer needs)."""
+    sent = [0]
+    with count_sent_bytes() if count else contextlib.nullcontext(sent) as sent:
         future = hook(state, bucket)
     if not isinstance(future, torch._C.Future):
         raise RuntimeError(  # torch's PythonCommHook::parseHookResult: a RuntimeError

@@ -503,7 +503,9 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         """Bucket ``b``'s all-reduce, or the comm hook's collective: (its future, bytes sent)."""
         if self._comm_hook is not None:
             bucket = GradBucket.of(self._layout, self._params, b)
-            return run_comm_hook(self._comm_hook, self._comm_hook_state, bucket)
+            return run_comm_hook(
+                self._comm_hook, self._comm_hook_state, bucket, count=self._watching
+            )
         buffer = self.bucket_buffers[b]
         if self._mixed is not None:
             buffer = self._st.outputs[b] = self._mixed.start_reduction(buffer)

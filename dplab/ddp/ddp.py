@@ -482,7 +482,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         if self._log_times:
             self._logging.record("comm_start", first=True)
         views, n = self._grads_as_views, self._divide_by()
-        fill(self._layout, self._params, b, self._st, grads_as_views=views, world_size=n)
+        fill(self._layout, self._params, b, grads_as_views=views, world_size=n)
         self._observer.allreduce_start(b)
         try:
             work, nbytes = self._start_collective(b)

@@ -12,7 +12,7 @@ holds it alone, and *is* the gradient (torch's ``mark_variable_ready_sparse``).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -168,9 +168,7 @@ def lay_out(
     )
 
 
-def fill(
-    layout: Layout, params: Named, b: int, state: Any, *, grads_as_views: bool, world_size: int
-) -> None:
+def fill(layout: Layout, params: Named, b: int, *, grads_as_views: bool, world_size: int) -> None:
     """torch's mark_variable_ready_dense, for a whole bucket: its gradients into their slots,
     times 1/N (``world_size`` 1: as they are, when a comm hook owns the reduction).
 

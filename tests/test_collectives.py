@@ -549,9 +549,9 @@ def test_ring_figure_draws_the_pure_state_and_this_steps_messages():
         ring_step_figure(1, 0)
 
 
-def test_bandwidth_and_comparison_figures():
+def test_bandwidth_figure():
     from dplab.collectives import BandwidthRow
-    from dplab.viz.collectives import bandwidth_figure, naive_vs_ring_figure
+    from dplab.viz.collectives import bandwidth_figure
 
     alpha, beta = 30e-6, 1 / 2e9
     rows = []
@@ -563,10 +563,6 @@ def test_bandwidth_and_comparison_figures():
     assert any("α-β fit" in name and "2.00 GB/s" in name for name in names)
     with pytest.raises(ValueError, match="no rows"):
         bandwidth_figure([])
-    fig = naive_vs_ring_figure(100e6, 4, alpha=alpha, beta=beta)
-    bars = [t for t in fig.data if t.type == "bar"]
-    assert list(bars[0].y) == naive_bytes_per_rank(100e6, 4)
-    assert list(bars[1].y) == [ring_bytes_per_rank(100e6, 4)] * 4
 
 
 def test_ring_stepper_steps_and_refuses_bad_values_with_a_message():

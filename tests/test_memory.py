@@ -28,7 +28,6 @@ from dplab.memory.measure import (
     make_recipe,
     measure_recipe,
     model_saved_bytes,
-    unique_storage_bytes,
 )
 from dplab.memory.mixed import MixedPrecisionOptimizer
 
@@ -316,12 +315,6 @@ def test_every_recipe_measures_its_table_value(recipe, total):
     m = measure_recipe(*recipe, model_kwargs={"n_layers": 2})
     assert m.bytes_per_param == pytest.approx(total, rel=0.01)
     assert m.bytes_per_param == pytest.approx(bytes_per_param(*recipe).total, rel=0.01)
-
-
-def test_unique_storages_count_views_once():
-    t = torch.zeros(100, dtype=torch.float32)
-    assert unique_storage_bytes([t, t[:10], t.view(10, 10)]) == 400
-    assert unique_storage_bytes([t, torch.zeros(5)]) == 420
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "momentum", "sgd"])

@@ -6,7 +6,7 @@ import pytest
 
 from dplab.memory import GB, LLM_SHAPES, fits
 from dplab.memory.state import STAGE_LABELS
-from dplab.viz.memory import fit_figure, memory_bars, memory_vs_world_size
+from dplab.viz.memory import fit_figure, memory_vs_world_size
 from dplab.widgets.memory import CUSTOM, MemoryWall
 
 
@@ -91,11 +91,6 @@ def test_activation_controls_move_only_the_activations():
 
 def test_standalone_figures():
     cap = 80 * 2**30
-    fig = memory_bars([("a", {"weights": 2 * GB, "grads": GB})], capacity_bytes=cap)
-    assert [t.name for t in fig.data] == ["weights", "gradients"]
-    assert fig.layout.shapes[0].y0 == pytest.approx(cap / GB)
-    with pytest.raises(ValueError, match="at least one column"):
-        memory_bars([])
     fig = memory_vs_world_size(7 * 10**9, world_sizes=(1, 2, 4), capacity_bytes=cap)
     dp = next(t for t in fig.data if t.name == "plain DP")
     assert list(dp.y) == [112.0, 112.0, 112.0]

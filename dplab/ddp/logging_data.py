@@ -22,7 +22,6 @@ DEFAULT_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate
 _ENV = ("MASTER_PORT", "MASTER_ADDR", "TORCH_DISTRIBUTED_DEBUG", "CUDA_VISIBLE_DEVICES")
 _NCCL_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING")
 _NCCL_ENV2 = ("NCCL_DEBUG", "NCCL_NTHREADS", "NCCL_IB_TIMEOUT")
-EVENTS = ("forward", "backward_compute_start", "backward_compute_end", "comm_start", "comm_end")
 
 
 def _env(name: str) -> str:

@@ -36,12 +36,6 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     return (st.data_ptr(), nbytes)
 
 
-def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and aliases count once)."""
-    keys = {_storage_key(t) for t in tensors}
-    return sum(k[1] for k in keys if k is not None)
-
-
 def storage_bytes_by_part(parts: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
     """Bytes per part, each storage counted once, in the first part (in order) that holds it."""
     seen: set[tuple[int, int]] = set()

@@ -2,14 +2,14 @@
 ring steps) and returns a ``plotly.graph_objects.Figure``; nothing here measures."""
 
 from dplab.viz.buckets import bucket_map_figure
-from dplab.viz.collectives import bandwidth_figure, naive_vs_ring_figure, ring_step_figure
+from dplab.viz.collectives import bandwidth_figure, ring_step_figure
 from dplab.viz.mechanics import (
     activation_memory_figure,
     loss_curves_figure,
     parallel3d_figure,
     traffic_figure,
 )
-from dplab.viz.memory import fit_figure, memory_bars, memory_vs_world_size, world_size_curves
+from dplab.viz.memory import fit_figure, memory_vs_world_size, world_size_curves
 from dplab.viz.sharded import zero3_cost_figure
 from dplab.viz.sweep import sweep_figure
 from dplab.viz.timeline import timeline_figure
@@ -20,9 +20,7 @@ __all__ = [
     "bucket_map_figure",
     "fit_figure",
     "loss_curves_figure",
-    "memory_bars",
     "memory_vs_world_size",
-    "naive_vs_ring_figure",
     "parallel3d_figure",
     "ring_step_figure",
     "sweep_figure",

@@ -15,21 +15,17 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dplab._checks import check_count, check_nonneg, check_world_size
+from dplab._checks import check_count, check_world_size
 from dplab._units import format_size
 from dplab.collectives import (
     REDUCE_SCATTER,
     AlphaBetaFit,
     BandwidthRow,
     chunk_bounds,
-    naive_bytes_per_rank,
-    naive_time,
-    ring_bytes_per_rank,
     ring_partial_sums,
     ring_phase,
     ring_schedule,
     ring_steps,
-    ring_time,
 )
 from dplab.viz.style import COLORS, layout
 
@@ -349,113 +345,3 @@ def ring_step_figure(
         font={"size": 12},
     )
     return fig
-
-
-# ---------------------------------------------------------------------------------------------
-# Naive against ring
-
-
-NAIVE_LABEL = "naive (gather + broadcast)"
-RING_LABEL = "ring (reduce-scatter + all-gather)"
-
-
-def _add_bytes_per_rank(fig: go.Figure, s: float, n: int) -> None:
-    """Bars of bytes each rank sends: the naive root carries N-1 tensors, a ring rank 2(N-1)/N.
-
-    Per rank rather than in total, because the busiest link sets the time: both send
-    2(N-1)·S in all, but the naive scheme puts half of it on the root's one link.
-    """
-    ranks = [f"rank {r}" for r in range(n)]
-    for name, values, color in (
-        (NAIVE_LABEL, naive_bytes_per_rank(s, n), ALGORITHM_COLORS["naive"]),
-        (RING_LABEL, [ring_bytes_per_rank(s, n)] * n, ALGORITHM_COLORS["ring"]),
-    ):
-        fig.add_trace(
-            go.Bar(
-                x=ranks,
-                y=values,
-                name=name,
-                legendgroup=name,
-                marker_color=color,
-                hovertemplate="%{x}: %{y:.3s} B<extra>" + name + "</extra>",
-            ),
-            row=1,
-            col=1,
-        )
-
-
-def _add_alpha_beta_times(
-    fig: go.Figure, s: float, n: int, top: int, *, alpha: float, beta: float
-) -> None:
-    """α-β time of both algorithms for N = 2..top, this N enlarged, and the ring's limit.
-
-    The limit 2·S·β is where the ring's bandwidth term tends as N grows, while the naive
-    scheme's bandwidth term 2(N-1)·S·β grows without bound: the line makes that visible.
-    """
-    ns = list(range(2, top + 1))
-    for name, fn, color in (
-        (NAIVE_LABEL, naive_time, ALGORITHM_COLORS["naive"]),
-        (RING_LABEL, ring_time, ALGORITHM_COLORS["ring"]),
-    ):
-        fig.add_trace(
-            go.Scatter(
-                x=ns,
-                y=[fn(s, k, alpha, beta) * 1e3 for k in ns],
-                mode="lines+markers",
-                name=name,
-                legendgroup=name,
-                showlegend=False,
-                line={"color": color},
-                marker={"size": [10 if k == n else 4 for k in ns]},
-                hovertemplate="N=%{x}: %{y:.3g} ms<extra>" + name + "</extra>",
-            ),
-            row=1,
-            col=2,
-        )
-    fig.add_hline(
-        y=s * beta * 2 * 1e3,
-        line={"dash": "dot", "color": "#999999"},
-        annotation_text="ring's limit 2·S·β",
-        row=1,
-        col=2,
-    )
-
-
-def _naive_vs_ring_title(alpha: float, beta: float) -> str:
-    """The α-β parameters in the title; 1/β only when finite (β = 0 models latency only)."""
-    if beta > 0:
-        return f"Naive against ring: α={alpha * 1e6:.3g} µs, 1/β={1 / beta / 1e9:.3g} GB/s"
-    return f"Naive against ring: α={alpha * 1e6:.3g} µs"
-
-
-def naive_vs_ring_figure(
-    size_bytes: float,
-    world_size: int,
-    *,
-    alpha: float,
-    beta: float,
-    max_world_size: int | None = None,
-) -> go.Figure:
-    """Left: bytes each rank sends at this N (the naive root's link carries N-1 tensors, the
-    ring's every link 2(N-1)/N). Right: α-β time against world size for both."""
-    n = check_world_size(world_size, minimum=2)
-    s = check_nonneg("size_bytes", size_bytes)
-    top = max(n, 16) if max_world_size is None else check_world_size(max_world_size, minimum=n)
-    fig = make_subplots(
-        rows=1,
-        cols=2,
-        subplot_titles=(
-            f"bytes each rank sends (= receives), N={n}, S={format_size(s)}",
-            "α-β time against world size",
-        ),
-        horizontal_spacing=0.14,
-    )
-    _add_bytes_per_rank(fig, s, n)
-    _add_alpha_beta_times(fig, s, n, top, alpha=alpha, beta=beta)
-    fig.update_yaxes(title_text="bytes sent", row=1, col=1)
-    fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=2)
-    fig.update_xaxes(title_text="world size N", row=1, col=2)
-    fig.update_layout(barmode="group")
-    return layout(fig, title=_naive_vs_ring_title(alpha, beta), height=420).update_layout(
-        margin={"t": 90}
-    )

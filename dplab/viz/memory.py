@@ -1,11 +1,10 @@
 """Memory figures: what one rank holds, part by part, against the GPU's capacity.
 
-* :func:`memory_bars` — stacked bars (weights, grads, master weights, optimizer state,
-  activations) per rank, one bar per configuration, with the GPU's capacity as a line;
 * :func:`memory_vs_world_size` — per-rank bytes against the world size N for plain DP (flat: every
   rank holds a full copy) and the ZeRO stages (falling as 1/N towards what they leave unsharded);
-* :func:`fit_figure` — both side by side for one :class:`~dplab.memory.fit.Fit`, as the
-  ``MemoryWall`` widget draws them.
+* :func:`fit_figure` — stacked bars (weights, grads, master weights, optimizer state,
+  activations) per rank with the GPU's capacity as a line, beside the curve against N, for one
+  :class:`~dplab.memory.fit.Fit`, as the ``MemoryWall`` widget draws them.
 
 Bytes are drawn in decimal gigabytes (1 GB = 10^9 bytes), the unit of the published figures, or
 in MB (10^6 bytes) when everything drawn is below a gigabyte (the small models measured here).
@@ -105,28 +104,6 @@ def _capacity_trace(
         showlegend=legend,
         hovertemplate=f"{label}<extra></extra>",
     )
-
-
-def memory_bars(
-    columns: Sequence[tuple[str, Mapping[str, int]]],
-    *,
-    capacity_bytes: int | None = None,
-    capacity_label: str = "GPU capacity",
-    title: str = "Memory per rank",
-    unit: str = "auto",
-    height: int = 380,
-) -> go.Figure:
-    """Stacked bars: one column per ``(label, {part: bytes})``, capacity as a dashed line."""
-    if not columns:
-        raise ValueError("memory_bars needs at least one column")
-    largest = max([sum(parts.values()) for _, parts in columns] + [capacity_bytes or 0])
-    unit = pick_unit(unit, largest)
-    fig = go.Figure(_bar_traces(columns, unit=unit))
-    fig.update_layout(barmode="stack")
-    fig.update_yaxes(title_text=_axis_title(unit))
-    if capacity_bytes is not None:
-        _capacity_line(fig, capacity_bytes, capacity_label, unit=unit)
-    return layout(fig, title=title, height=height)
 
 
 def world_size_curves(

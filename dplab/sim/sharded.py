@@ -56,8 +56,6 @@ BLOCK_NAME = re.compile(r"(?:^|\.)(?:blocks|h|layers)\.(\d+)\.")
 
 METHODS = ("ddp", "zero1", "zero2", "zero3")
 BACKENDS = ("nccl", "gloo")
-# per parameter, fp32 AdamW: weight, gradient, two moments (the recipe 09b measures)
-STATE_BYTES_PER_WEIGHT_BYTE = 4
 
 
 class Priced(Protocol):
@@ -504,8 +502,8 @@ class Zero3Cost:
     """ZeRO-3 against DDP on one fabric at one world size: the time it adds, the memory it saves.
 
     ``saved_bytes``: model state per rank DDP holds and ZeRO-3 does not, fp32 AdamW (16 bytes
-    per parameter, ``STATE_BYTES_PER_WEIGHT_BYTE`` × the weight bytes; weights counted at the
-    bytes the profile gathers).
+    per parameter: weight, gradient and two moments, the recipe 09 measures; parameters counted
+    from the bytes the profile gathers).
     """
 
     fabric: str

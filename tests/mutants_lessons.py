@@ -63,8 +63,8 @@ MUTATIONS = [
     Mutation(
         "sum_not_average",
         "ddp/ddp.py",
-        "        if n == 1 or self._comm_hook is not None:\n",
-        "        if True or n == 1 or self._comm_hook is not None:\n",
+        "        return 1 if self._comm_hook is not None or self._mixed is not None else n\n",
+        "        return 1  # planted: the buckets are summed, not averaged\n",
         "03 §3.4: N = 2 and N = 4 reach the weights of N = 1 (the gradient is an average)",
         "s3-24",
     ),
@@ -129,7 +129,7 @@ MUTATIONS = [
     ),
     Mutation(
         "rebuild_on_each_ranks_own_order",
-        "ddp/ddp.py",
+        "ddp/plans.py",
         "        if self.rank == 0 and len(self._ready_order) == len(self._params):\n"
         "            order[:] = torch.tensor(self._ready_order)\n"
         "        order = order.to(self._comm_device)\n"

@@ -34,6 +34,7 @@ class BackwardState:
         "ready",
         "ready_order",
         "unused_marked",
+        "used",
         "works",
     )
 
@@ -46,6 +47,7 @@ class BackwardState:
         self.pending = list(bucket_sizes)  # per bucket: gradients still to come
         self.next_bucket = 0  # buckets launch strictly in order: the next one to launch
         self.outputs: dict[int, torch.Tensor] = {}  # mixed precision: bucket → what is summed
+        self.used: tuple[Any, torch.Tensor] | None = None  # the used-counts all-reduce, launched
         self.works: list[Any] = []  # per bucket in launch order: its future (None: skipped)
         self.no_grad: set[int] = set()  # parameters with no .grad when their bucket launched
         self.ready_order: list[int] = []  # parameters in the order they became ready
@@ -93,13 +95,23 @@ def unreachable(roots: list[torch.Tensor], index: dict[int, int]) -> list[int]:
     return [i for i in range(len(index)) if i not in reached]
 
 
-def used_counts(used: set[int], n: int, device: torch.device, group: Any) -> torch.Tensor:
+def start_used_counts(
+    used: set[int], n: int, device: torch.device, group: Any
+) -> tuple[Any, torch.Tensor]:
     """Per parameter, how many ranks used it since the last sync (``used``: those this rank
-    did): one small all-reduce, torch's ``local_used_map``."""
+    did): one small all-reduce, torch's ``local_used_map``, launched without waiting (torch
+    launches it as the last bucket's gradients are in, so it travels beside that bucket's
+    all-reduce). Returns (its work, the counts it will hold)."""
     flags = torch.zeros(n, dtype=torch.int32, device=device)
     if used:
         flags[sorted(used)] = 1
-    dist.all_reduce(flags, group=group)
+    return dist.all_reduce(flags, group=group, async_op=True), flags
+
+
+def used_counts(used: set[int], n: int, device: torch.device, group: Any) -> torch.Tensor:
+    """:func:`start_used_counts`, waited for."""
+    work, flags = start_used_counts(used, n, device, group)
+    work.wait()
     return flags
 
 

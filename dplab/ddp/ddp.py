@@ -57,9 +57,9 @@ from dplab.ddp.backward_state import (
     BackwardState,
     output_hook,
     param_hook,
+    start_used_counts,
     unreachable,
     unused_of,
-    used_counts,
 )
 from dplab.ddp.buffer_sync import BufferSyncMixin
 from dplab.ddp.comm_hooks import GradBucket, hook_result, run_comm_hook
@@ -265,21 +265,6 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self.bucket_buffers: list[torch.Tensor] = layout.buffers
         self.buckets: list[Bucket] = layout.buckets
 
-    def _rebuild_from_ready_order(self) -> None:
-        """Rebuild once, in the order rank 0 saw gradients arrive (a collective: all agree)."""
-        order = torch.full((len(self._params),), -1, dtype=torch.int64)
-        if self.rank == 0 and len(self._ready_order) == len(self._params):
-            order[:] = torch.tensor(self._ready_order)
-        order = order.to(self._comm_device)
-        if self.world_size > 1:
-            dist.broadcast(order, src=self._src, group=self.process_group)
-        self._rebuild_pending = False
-        if (order < 0).any():
-            return  # rank 0 did not see every gradient: keep the buckets we have
-        self._build_buckets(self._rebuilt_plan(order.cpu().tolist()))
-        self._reset_backward_state()
-        self._observer.buckets_changed(self)
-
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -352,7 +337,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
     def _recover(self) -> None:
         """The previous backward raised before its end: wait for what it launched (so no
         collective still writes into a bucket) and forget its half-done state."""
-        for work in self._st.works:
+        for work in [*self._st.works, self._st.used[0] if self._st.used else None]:
             with contextlib.suppress(Exception):
                 if work is not None:
                     work.wait()
@@ -467,6 +452,16 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             else:
                 self._launch(b)
             st.next_bucket += 1
+        if st.next_bucket == len(st.pending) and st.used is None and self._searches():
+            n, group = len(self._params), self.process_group
+            st.used = start_used_counts(self._used_since_sync, n, self._comm_device, group)
+
+    def _searches(self) -> bool:
+        """Does this backward look for unused parameters (torch's find-unused iterations)?"""
+        return (self.find_unused_parameters and not self.static_graph) or self._static_counting()
+
+    def _static_counting(self) -> bool:
+        return self.static_graph and self._static_counts is None
 
     def _skips(self, b: int) -> bool:
         """torch's ``skip_all_reduce_unused_params``: a bucket that holds only parameters this
@@ -540,7 +535,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
 
     def _finish_sync_backward(self) -> None:
         st = self._st
-        first_static = self.static_graph and self._static_counts is None
+        first_static = self._static_counting()
         for i in st.order if first_static else ():
             self._mark_ready(i)  # static graph's first iteration: all at the end, first-come order
         missing = [i for i, ready in enumerate(st.ready) if not ready]
@@ -571,9 +566,12 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         if self._log_times:
             self._logging.record("comm_end")
         unused: set[int] = self._static_global_unused
-        if first_static or (self.find_unused_parameters and not self.static_graph):
-            n = len(self._params)
-            counts = used_counts(self._used_since_sync, n, self._comm_device, self.process_group)
+        if self._searches():
+            n, group = len(self._params), self.process_group
+            work, counts = st.used or start_used_counts(
+                self._used_since_sync, n, self._comm_device, group
+            )
+            work.wait()
             self._used_counts, unused = counts, unused_of(counts)
         self._used_since_sync = set()
         if first_static:

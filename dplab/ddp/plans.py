@@ -4,10 +4,14 @@ Mixed into :class:`dplab.ddp.ddp.DDP`. The cutting rules themselves are in
 :mod:`dplab.ddp.buckets`, the memory in :mod:`dplab.ddp.layout`; this is the choice between
 them that the constructor's arguments make (``bucket_cap_mb``, ``bucket_cap_mb_list``,
 ``find_unused_parameters``, ``static_graph``, and dplab's ``first_bucket_cap_mb``,
-``static_buckets``, ``rebuild_buckets``).
+``static_buckets``, ``rebuild_buckets``), and the one rebuild after the first step, over the
+order in which rank 0's gradients became ready.
 """
 
 from __future__ import annotations
+
+import torch
+import torch.distributed as dist
 
 from dplab.ddp.buckets import (
     DEFAULT_BUCKET_CAP_MB,
@@ -90,3 +94,18 @@ class PlanMixin:
             return sizes, [caps[min(i, len(caps) - 1)] for i in range(len(sizes))]
         first, cap = cap_bytes(self.first_bucket_cap_mb), self.bucket_bytes_cap
         return sizes, [first if i == 0 else cap for i in range(len(sizes))]
+
+    def _rebuild_from_ready_order(self) -> None:
+        """Rebuild once, in the order rank 0 saw gradients arrive (a collective: all agree)."""
+        order = torch.full((len(self._params),), -1, dtype=torch.int64)
+        if self.rank == 0 and len(self._ready_order) == len(self._params):
+            order[:] = torch.tensor(self._ready_order)
+        order = order.to(self._comm_device)
+        if self.world_size > 1:
+            dist.broadcast(order, src=self._src, group=self.process_group)
+        self._rebuild_pending = False
+        if (order < 0).any():
+            return  # rank 0 did not see every gradient: keep the buckets we have
+        self._build_buckets(self._rebuilt_plan(order.cpu().tolist()))
+        self._reset_backward_state()
+        self._observer.buckets_changed(self)

@@ -49,7 +49,7 @@ MUTATIONS = [
     (
         Mutation(
             name="bucket order reversed",
-            path="ddp/ddp.py",
+            path="ddp/plans.py",
             anchor="self._build_buckets(self._rebuilt_plan(order.cpu().tolist()))",
             replacement="self._build_buckets(self._rebuilt_plan(order.cpu().tolist()[::-1]))",
             claim="buckets are rebuilt in the order gradients became ready",

@@ -64,7 +64,7 @@ from dplab.ddp.backward_state import (
 from dplab.ddp.buffer_sync import BufferSyncMixin
 from dplab.ddp.comm_hooks import GradBucket, hook_result, run_comm_hook
 from dplab.ddp.join import JoinMixin
-from dplab.ddp.layout import copy_out, fill, lay_out, tensor_bytes
+from dplab.ddp.layout import copy_out, fill, fill_early, lay_out, tensor_bytes
 from dplab.ddp.logging_data import LoggingData, LoggingMixin
 from dplab.ddp.mixed_precision import MixedPrecision
 from dplab.ddp.plans import PlanMixin
@@ -170,6 +170,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         )
         # Full-precision gradients cannot be views of low-precision buckets.
         self._grads_as_views = self.gradient_as_bucket_view and self._mixed is None
+        self._early = self.launch_when_ready and not self._grads_as_views  # layout.fill_early
         self._comm_hook: Callable | None = None
         self._comm_hook_state: Any = None
         self._buffer_hook: tuple | None = None
@@ -432,6 +433,8 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             )
         st.ready[i] = True
         st.ready_order.append(i)
+        if self._early and fill_early(self._layout, self._params, i, self._divide_by()):
+            st.filled.add(i)
         if self._rebuild_pending and not self._order_recorded:
             self._ready_order.append(i)
         b = self._bucket_of[i]
@@ -457,11 +460,10 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             st.used = start_used_counts(self._used_since_sync, n, self._comm_device, group)
 
     def _searches(self) -> bool:
-        """Does this backward look for unused parameters (torch's find-unused iterations)?"""
-        return (self.find_unused_parameters and not self.static_graph) or self._static_counting()
-
-    def _static_counting(self) -> bool:
-        return self.static_graph and self._static_counts is None
+        """Does this backward count unused parameters (find-unused, or static graph's first)?"""
+        if self.static_graph:
+            return self._static_counts is None
+        return self.find_unused_parameters
 
     def _skips(self, b: int) -> bool:
         """torch's ``skip_all_reduce_unused_params``: a bucket that holds only parameters this
@@ -476,8 +478,8 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
     def _launch(self, b: int) -> None:
         if self._log_times:
             self._logging.record("comm_start", first=True)
-        views, n = self._grads_as_views, self._divide_by()
-        fill(self._layout, self._params, b, grads_as_views=views, world_size=n)
+        views, n, done = self._grads_as_views, self._divide_by(), self._st.filled
+        fill(self._layout, self._params, b, grads_as_views=views, world_size=n, done=done)
         self._observer.allreduce_start(b)
         try:
             work, nbytes = self._start_collective(b)
@@ -535,7 +537,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
 
     def _finish_sync_backward(self) -> None:
         st = self._st
-        first_static = self._static_counting()
+        first_static = self.static_graph and self._static_counts is None
         for i in st.order if first_static else ():
             self._mark_ready(i)  # static graph's first iteration: all at the end, first-come order
         missing = [i for i, ready in enumerate(st.ready) if not ready]

@@ -168,9 +168,41 @@ def lay_out(
     )
 
 
-def fill(layout: Layout, params: Named, b: int, *, grads_as_views: bool, world_size: int) -> None:
+def fill_early(layout: Layout, params: Named, i: int, world_size: int) -> bool:
+    """A large gradient into its slot (times 1/N) the moment it is ready, as torch copies every
+    gradient (``mark_variable_ready_dense``), so that little is left to copy when the bucket's
+    last gradient comes and its all-reduce can start sooner. Small ones wait for :func:`fill`,
+    one call for all of them. Returns whether it copied (then :func:`fill` skips it)."""
+    view = layout.views[i]
+    grad = params[i][1].grad
+    if (
+        view.numel() < SMALL_GRADIENT
+        or i in layout.sparse
+        or grad is None
+        or grad.dtype != view.dtype
+        or grad.device != view.device
+        or grad.data_ptr() == layout.view_ptrs[i]
+    ):
+        return False
+    if world_size == 1:
+        view.copy_(grad)
+    else:
+        torch.mul(grad, 1.0 / world_size, out=view)
+    return True
+
+
+def fill(
+    layout: Layout,
+    params: Named,
+    b: int,
+    *,
+    grads_as_views: bool,
+    world_size: int,
+    done: set[int] = frozenset(),  # type: ignore[assignment]
+) -> None:
     """torch's mark_variable_ready_dense, for a whole bucket: its gradients into their slots,
-    times 1/N (``world_size`` 1: as they are, when a comm hook owns the reduction).
+    times 1/N (``world_size`` 1: as they are, when a comm hook owns the reduction); ``done``:
+    those :func:`fill_early` already copied.
 
     torch scales while it copies (``at::mul_out(slot, grad, 1/N)``: one pass over memory), and a
     ``.grad`` that already is its slot (``gradient_as_bucket_view``) is divided in place; the
@@ -181,7 +213,7 @@ def fill(layout: Layout, params: Named, b: int, *, grads_as_views: bool, world_s
     if layout.members[b][0] in layout.sparse:
         _fill_sparse(layout, params, b, world_size)
         return
-    if not grads_as_views:  # the common case: every .grad its own tensor, so copy them all
+    if not grads_as_views and not done:  # every .grad its own tensor, none copied yet
         grads = [p.grad for p in layout.member_params[b]]
         try:
             same_dtype = {g.dtype for g in grads} == {layout.buffers[b].dtype}
@@ -193,6 +225,8 @@ def fill(layout: Layout, params: Named, b: int, *, grads_as_views: bool, world_s
     dst, src = [], []
     for i in layout.members[b]:
         grad, view = params[i][1].grad, layout.views[i]
+        if i in done:
+            continue
         if grad is None:
             view.zero_()
         elif grad.data_ptr() == layout.view_ptrs[i]:
@@ -212,7 +246,7 @@ def fill(layout: Layout, params: Named, b: int, *, grads_as_views: bool, world_s
         _copy_scaled(dst, src, None, world_size)
         if grads_as_views:
             for i in layout.members[b]:
-                if params[i][1].grad is not None:
+                if params[i][1].grad is not None and i not in done:
                     params[i][1].grad = layout.views[i]
 
 

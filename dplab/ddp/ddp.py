@@ -27,8 +27,9 @@ features, for reading.
 
 Beside it, one module each: torch's argument checks, bucket ``plans`` and memory (``layout``),
 ``replicas``, the hooks' ``backward_state``, the re-wrap guard ``rewrap``, ``comm_hooks``,
-``buffer_sync``, ``static_graph``'s errors, ``join`` (uneven inputs), ``logging_data``, the rest
-of torch's API (``torch_api``); the teaching ``variants`` build on this class.
+``buffer_sync``, ``static_graph``'s errors, ``join`` (uneven inputs), ``logging_data``,
+``mixed_precision``, the rest of torch's API (``torch_api``, ``reducer_view``); the teaching
+``variants`` build on this class.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ from dplab.ddp.backward_state import (
 from dplab.ddp.buffer_sync import BufferSyncMixin
 from dplab.ddp.comm_hooks import GradBucket, hook_result, run_comm_hook
 from dplab.ddp.join import JoinMixin
-from dplab.ddp.layout import copy_out, fill, fill_early, lay_out, tensor_bytes
+from dplab.ddp.layout import copy_out, fill, fill_early, large_gradients, lay_out, tensor_bytes
 from dplab.ddp.logging_data import LoggingData, LoggingMixin
 from dplab.ddp.mixed_precision import MixedPrecision
 from dplab.ddp.plans import PlanMixin
@@ -171,7 +171,6 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         )
         # Full-precision gradients cannot be views of low-precision buckets.
         self._grads_as_views = self.gradient_as_bucket_view and self._mixed is None
-        self._early = self.launch_when_ready and not self._grads_as_views  # layout.fill_early
         self._comm_hook: Callable | None = None
         self._comm_hook_state: Any = None
         self._buffer_hook: tuple | None = None
@@ -262,6 +261,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         views, sparse = self._grads_as_views, self._sparse
         layout = lay_out(self._params, plan, grads_as_views=views, sparse=sparse, dtype=dtype)
         self._layout = layout
+        self._early = large_gradients(layout) if self.launch_when_ready and not views else set()
         self._bucket_params = layout.members
         self._bucket_of = layout.bucket_of
         self.bucket_buffers: list[torch.Tensor] = layout.buffers
@@ -434,7 +434,7 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             )
         st.ready[i] = True
         st.ready_order.append(i)
-        if self._early and fill_early(self._layout, self._params, i, self._divide_by()):
+        if i in self._early and fill_early(self._layout, self._params, i, self._divide_by()):
             st.filled.add(i)
         if self._rebuild_pending and not self._order_recorded:
             self._ready_order.append(i)

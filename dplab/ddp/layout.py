@@ -168,6 +168,11 @@ def lay_out(
     )
 
 
+def large_gradients(layout: Layout) -> set[int]:
+    """The dense parameters :func:`fill_early` copies as soon as they are ready."""
+    return {i for i, v in enumerate(layout.views) if v.numel() >= SMALL_GRADIENT} - layout.sparse
+
+
 def fill_early(layout: Layout, params: Named, i: int, world_size: int) -> bool:
     """A large gradient into its slot (times 1/N) the moment it is ready, as torch copies every
     gradient (``mark_variable_ready_dense``), so that little is left to copy when the bucket's

@@ -431,8 +431,12 @@ class Fabric:
 
     # -- calibration -----------------------------------------------------------------------
     def _fitted(self, points: list[tuple[float, float]], algorithm: str) -> Fabric:
+        last: list = [None, None]  # the fitter tries one calibration on every row in turn
+
         def predict(cal: Calibration, nbytes: float) -> float:
-            return self.with_calibration(cal).allreduce_s(nbytes, algorithm=algorithm)
+            if last[0] is not cal:  # a new candidate: build its model (and its tables) once
+                last[:] = [cal, self.with_calibration(cal)]
+            return last[1].allreduce_s(nbytes, algorithm=algorithm)
 
         cal, what = fit_constants(self.calibration, predict, points)
         return replace(

@@ -6,13 +6,13 @@ The life of one training step on every rank (torch's reducer, step by step):
    constructor broadcast rank 0's parameters and buffers. Before a forward that follows a
    synchronising one, rank 0's buffers (BatchNorm statistics) are broadcast again.
 2. ``loss.backward()`` produces gradients roughly last layer first. Each parameter has a
-   post-accumulate-grad hook that notes its gradient is in. When a bucket's last gradient is in,
-   the bucket's gradients are copied into its flat buffer times 1/N (torch's default,
-   ``gradient_as_bucket_view=False``: ``.grad`` stays its own tensor), or divided in place when
-   ``.grad`` already *is* a view of the bucket (``gradient_as_bucket_view=True``; a sparse
-   gradient is its own bucket and is divided in place too), and its
-   all-reduce is launched asynchronously while autograd goes on with earlier layers. That is the
-   overlap.
+   post-accumulate-grad hook that notes its gradient is in and copies a large one into its slot
+   of the bucket's flat buffer times 1/N. When a bucket's last gradient is in, the small ones
+   follow in one call (torch's default, ``gradient_as_bucket_view=False``: ``.grad`` stays its
+   own tensor), or are divided in place when ``.grad`` already *is* a view of the bucket
+   (``gradient_as_bucket_view=True``; a sparse gradient is its own bucket, divided in place),
+   and its all-reduce is launched asynchronously while autograd goes on with earlier layers.
+   That is the overlap.
 3. Buckets are launched strictly in bucket order, so every rank issues the same sequence of
    collectives even if its gradients arrive in a slightly different order.
 4. At the end of backward an autograd-engine callback waits for every bucket and copies the

@@ -195,13 +195,17 @@ def _gap(a: nn.Module, b: nn.Module, grads: bool) -> float:
     return worst
 
 
-def _side_by_side(make: Any, batch: Any, steps: int = 3, **kwargs: Any) -> dict:
-    """The same model under both DDPs on cuda:0; worst gradient and weight gaps over ``steps``."""
-    device, rank = torch.device("cuda", 0), dist.get_rank()
+def _side_by_side(
+    make: Any, batch: Any, steps: int = 3, device_type: str = "cuda", **kwargs: Any
+) -> dict:
+    """The same model under both DDPs on cuda:0 (or the CPU); worst gradient and weight gaps
+    over ``steps``."""
+    cuda, rank = device_type == "cuda", dist.get_rank()
+    device, ids = (torch.device("cuda", 0), [0]) if cuda else (torch.device("cpu"), None)
     torch.manual_seed(0)
     base = make().to(device)
-    ours = dplab.DDP(copy.deepcopy(base), device_ids=[0], **kwargs)
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=[0], **kwargs)
+    ours = dplab.DDP(copy.deepcopy(base), device_ids=ids, **kwargs)
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=ids, **kwargs)
     opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in (ours, theirs)]
     out = {"grad_gap": 0.0, "weight_gap": 0.0, "grad_dtypes": set()}
     for step in range(steps):
@@ -218,6 +222,14 @@ def _side_by_side(make: Any, batch: Any, steps: int = 3, **kwargs: Any) -> dict:
     return out
 
 
+def sparse_ids(g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 100, (8, 5), generator=g)
+
+
+def sparse_side_by_side(device_type: str) -> dict:
+    return {"sparse": _side_by_side(SparseNet, sparse_ids, device_type=device_type)}
+
+
 def _mixed_and_sparse() -> dict:
     from torch.nn.parallel.distributed import _MixedPrecision
 
@@ -227,15 +239,11 @@ def _mixed_and_sparse() -> dict:
     def dense(g: torch.Generator) -> torch.Tensor:
         return torch.randn(16, 32, generator=g)
 
-    def ids(g: torch.Generator) -> torch.Tensor:
-        return torch.randint(0, 100, (8, 5), generator=g)
-
     out = {}
     for reduce in (torch.float16, torch.float32):
         config = _MixedPrecision(torch.float16, reduce, torch.float16)
         out[f"mixed_fp16_reduce_{reduce}"] = _side_by_side(mlp, dense, mixed_precision=config)
-    out["sparse"] = _side_by_side(SparseNet, ids)
-    return out
+    return out | sparse_side_by_side("cuda")
 
 
 def judge_mixed_and_sparse(results: list[dict]) -> dict:

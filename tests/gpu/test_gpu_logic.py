@@ -89,6 +89,17 @@ def test_dplab_equals_torch_ddp_bit_for_bit_on_two_cpu_ranks(cluster2):
         run_gpu_checks.judge_pair([{**results[0], "dplab_vs_torch": 1e-7}])
 
 
+def test_sparse_side_by_side_is_bit_for_bit_on_two_cpu_ranks_and_the_judge_refuses_a_gap(cluster2):
+    results = cluster2.run(run_gpu_checks.sparse_side_by_side, "cpu")
+    assert run_gpu_checks.judge_mixed_and_sparse(results)["ranks"][0]["sparse"]["grad_gap"] == 0.0
+    bad = {"sparse": {**results[0]["sparse"], "weight_gap": 1e-7}}
+    with pytest.raises(AssertionError):
+        run_gpu_checks.judge_mixed_and_sparse([bad])
+    fp16 = {"sparse": {**results[0]["sparse"], "grad_dtypes": ["torch.float16"]}}
+    with pytest.raises(AssertionError):
+        run_gpu_checks.judge_mixed_and_sparse([fp16])
+
+
 def test_memory_check_needs_a_gpu():
     from tests.gpu.check_memory import check_memory
 

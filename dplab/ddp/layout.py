@@ -174,25 +174,20 @@ def large_gradients(layout: Layout) -> set[int]:
 
 
 def fill_early(layout: Layout, params: Named, i: int, world_size: int) -> bool:
-    """A large gradient into its slot (times 1/N) the moment it is ready, as torch copies every
-    gradient (``mark_variable_ready_dense``), so that little is left to copy when the bucket's
-    last gradient comes and its all-reduce can start sooner. Small ones wait for :func:`fill`,
-    one call for all of them. Returns whether it copied (then :func:`fill` skips it)."""
-    view = layout.views[i]
-    grad = params[i][1].grad
+    """A large gradient (one of :func:`large_gradients`) into its slot times 1/N the moment it
+    is ready, as torch copies every gradient (``mark_variable_ready_dense``), so that little is
+    left to copy when the bucket's last gradient comes and its all-reduce can start sooner.
+    Small ones wait for :func:`fill`, one call for all of them. Returns whether it copied (then
+    :func:`fill` skips it)."""
+    view, grad = layout.views[i], params[i][1].grad
     if (
-        view.numel() < SMALL_GRADIENT
-        or i in layout.sparse
-        or grad is None
+        grad is None
         or grad.dtype != view.dtype
         or grad.device != view.device
         or grad.data_ptr() == layout.view_ptrs[i]
     ):
-        return False
-    if world_size == 1:
-        view.copy_(grad)
-    else:
-        torch.mul(grad, 1.0 / world_size, out=view)
+        return False  # fill deals with it: zeros, a dtype error, or a .grad that is the slot
+    _copy_scaled([view], [grad], None, world_size)
     return True
 
 

@@ -29,18 +29,10 @@ class ReducerView:
     def _get_zeros_like_grad_buckets(self) -> list[GradBucket]:
         """One bucket per all-reduce, in reduction order, its buffer zero-filled."""
         ddp = self._ddp()
-        layout, count = ddp._layout, len(ddp.bucket_buffers)
-        return [
-            GradBucket(
-                b,
-                count,
-                torch.zeros_like(buffer),
-                layout.offsets[b],
-                [p.shape for p in layout.member_params[b]],
-                list(layout.member_params[b]),
-            )
-            for b, buffer in enumerate(ddp.bucket_buffers)
-        ]
+        buckets = [GradBucket.of(ddp._layout, ddp._params, b) for b in range(len(ddp.buckets))]
+        for bucket in buckets:
+            bucket.set_buffer(torch.zeros_like(bucket.buffer()))
+        return buckets
 
     def _get_local_used_map(self) -> torch.Tensor:
         """Per parameter (index order), how many ranks used it since the last sync: the sum

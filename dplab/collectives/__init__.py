@@ -56,6 +56,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "format_table",
             "geometric_sizes",
             "measure_bandwidth",
+            "measure_fit",
         ],
         "dplab.collectives.cost": [
             "AlphaBetaFit",

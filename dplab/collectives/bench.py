@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from numbers import Integral
 from typing import Any
 
-from dplab._checks import check_count, check_world_size
+from dplab._checks import check_count, check_positive_int, check_world_size
 from dplab._units import GB, KIB, MIB, format_size
 from dplab.collectives.allreduce import group_info, naive_all_reduce, ring_all_reduce
 from dplab.collectives.cost import AlphaBetaFit, algbw, busbw, fit_alpha_beta
@@ -181,6 +181,42 @@ def fit_rows(rows: Sequence[BandwidthRow]) -> dict[tuple[str, int], AlphaBetaFit
         for key, g in groups.items()
         if key[1] >= 2 and len({r.size_bytes for r in g}) >= 2
     }
+
+
+def measure_fit(
+    cluster: Any,
+    sizes: Sequence[int],
+    *,
+    fit_on: Sequence[int] | None = None,
+    repeats: int = 3,
+    attempts: int = 3,
+) -> tuple[AlphaBetaFit, list[BandwidthRow]]:
+    """Time all-reduces of ``sizes`` on a warm ``dplab.Cluster`` and fit α-β to those in
+    ``fit_on`` (all of them by default): the fit and every row.
+
+    Every message costs some time and every byte some more, so a fit that puts α or β at zero
+    says that a busy moment of the machine landed on one size (under load a 4 KiB all-reduce
+    can take as long as a 4 MiB one). Such a measurement is taken again, up to ``attempts``
+    times in all; if every one is degenerate, the error says so with the times measured.
+    """
+    fit_on = list(sizes if fit_on is None else fit_on)
+    if len(set(fit_on)) < 2:
+        raise ValueError(f"an α-β fit needs two or more distinct sizes, got {fit_on!r}")
+    if not set(fit_on) <= set(sizes):
+        raise ValueError(f"fit_on {fit_on!r} must be among the measured sizes {list(sizes)!r}")
+    tries = check_positive_int("attempts", attempts)
+    for _ in range(tries):
+        rows = measure_bandwidth(cluster=cluster, sizes=list(sizes), repeats=repeats)
+        fits = fit_rows([r for r in rows if r.size_bytes in fit_on])
+        fit = fits[("all_reduce", rows[0].world_size)]
+        if fit.alpha_s > 0 and fit.beta_s_per_byte > 0:
+            return fit, rows
+    times = ", ".join(f"{r.size_bytes:,} B: {r.time_s * 1e6:.0f} µs" for r in rows)
+    raise RuntimeError(
+        f"{tries} measurements in a row fitted α = {fit.alpha_s:.3g} s, β = "
+        f"{fit.beta_s_per_byte:.3g} s/B: the all-reduce times did not grow with size ({times}). "
+        "The machine is too busy to time a link; run again when it is quieter."
+    )
 
 
 def bandwidth_report(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dplab.collectives import fit_rows, measure_bandwidth
+from dplab.collectives import measure_fit
 from dplab.sim.link import Link
 
 # Four sizes a factor 4 to 64 apart: the smallest is all α on loopback gloo, the largest all β,
@@ -27,9 +27,6 @@ def measure_link(
     The result is a :class:`Link` whose ``source`` says it was fitted now, on how many ranks;
     ``link.alpha_s`` and ``link.beta_s_per_byte`` are the fit's constants.
     """
-    if len(set(sizes)) < 2:
-        raise ValueError(f"an α-β fit needs two or more distinct sizes, got {list(sizes)!r}")
-    rows = measure_bandwidth(cluster=cluster, sizes=list(sizes), repeats=repeats)
-    fit = fit_rows(rows)[("all_reduce", cluster.world_size)]
+    fit, _ = measure_fit(cluster, sizes, repeats=repeats)
     source = f"fitted now: ring all-reduce of {len(set(sizes))} sizes on {cluster.world_size} ranks"
     return Link.from_beta(name, fit.alpha_s, fit.beta_s_per_byte, source=source)

@@ -6,7 +6,7 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from datetime import date
 
 import torch.distributed as dist
@@ -28,9 +28,14 @@ def median_ratio(
 
 
 def interleaved(
-    steps: dict[Hashable, Callable[[], None]], repeats: int, *, warmup: int = 2, seed: int = 0
+    steps: dict[Hashable, Callable[[], None]],
+    repeats: int | Mapping[Hashable, int],
+    *,
+    warmup: int = 2,
+    seed: int = 0,
 ) -> dict[Hashable, list[float]]:
-    """Time each config's step ``repeats`` times, all configs mixed in one shuffled order.
+    """Time each config's step ``repeats`` times (or ``repeats[config]``), all configs mixed in
+    one shuffled order.
 
     Run on every rank: the order comes from ``seed``, so all ranks agree, and every timed step
     starts at a barrier. Mixing the configs spreads the machine's drift over all of them.
@@ -38,7 +43,8 @@ def interleaved(
     for step in steps.values():
         for _ in range(warmup):
             step()
-    order = [key for key in steps for _ in range(repeats)]
+    count = repeats if isinstance(repeats, Mapping) else dict.fromkeys(steps, repeats)
+    order = [key for key in steps for _ in range(count[key])]
     random.Random(seed).shuffle(order)
     times: dict[Hashable, list[float]] = {key: [] for key in steps}
     for key in order:

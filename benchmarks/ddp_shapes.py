@@ -8,9 +8,13 @@ step of each and the ratio dplab / torch with a 95% bootstrap interval. Goal: ea
 the median over shapes <= 1.00 (issue 41).
 
     python benchmarks/ddp_shapes.py [--steps 30] [--only NAME ...] [--profile NAME]
+                                    [--host-overhead NAME]
 
 ``--profile NAME`` prints torch.profiler's top operators of one step of that shape, for dplab
-and for torch, where a ratio above 1 needs explaining.
+and for torch, where a ratio above 1 needs explaining. ``--host-overhead NAME`` runs that shape
+on one rank with one thread, where no peer and no second core blur the clock: the difference of
+the median steps is what dplab's Python costs over torch's C++ reducer, and cProfile says which
+of dplab's functions it is spent in.
 """
 
 from __future__ import annotations
@@ -128,12 +132,32 @@ def _wrap(which: str, name: str) -> tuple[nn.Module, tuple, int]:
     return net, batch_fn(dist.get_rank()), micro
 
 
+# A shape whose step is under this gets more timed steps (up to 4x ``--steps``), so that every
+# shape is timed for about as long: a 20 ms step is noisier than a 400 ms one.
+STEP_MS_FOR_BASE_COUNT = 100.0
+
+
+def repeats_by_step_time(step_ms: dict[tuple[str, str], float], steps: int) -> dict:
+    """Timed steps per (DDP, shape): ``steps`` times 100 ms over the shape's slower DDP's step,
+    rounded, between 1 and 4. Both DDPs of a shape get the same count."""
+    out = {}
+    for which, name in step_ms:
+        ms = max(step_ms[("dplab", name)], step_ms[("torch", name)])
+        out[(which, name)] = steps * min(4, max(1, round(STEP_MS_FOR_BASE_COUNT / ms)))
+    return out
+
+
 def race(names: list[str], steps: int) -> dict:
-    """On every rank: each shape under each DDP, all steps interleaved."""
+    """On every rank: each shape under each DDP, all steps interleaved; fast shapes get more
+    steps (:func:`repeats_by_step_time`, from the slowest rank's time of one warm step)."""
     torch.manual_seed(dist.get_rank())
     nets = {(w, n): _wrap(w, n) for n in names for w in ("dplab", "torch")}
     steps_of = {key: _step_of(*nets[key]) for key in nets}
-    return interleaved(steps_of, steps, warmup=3)
+    one = interleaved(steps_of, 1, warmup=3)
+    slowest = torch.tensor([one[key][0] for key in steps_of], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    step_ms = dict(zip(steps_of, slowest.tolist(), strict=True))
+    return interleaved(steps_of, repeats_by_step_time(step_ms, steps), warmup=0)
 
 
 def profile(name: str, steps: int) -> dict:
@@ -150,31 +174,64 @@ def profile(name: str, steps: int) -> dict:
     return out
 
 
+def host_overhead(name: str, steps: int) -> dict:
+    """On one rank, one thread: both DDPs' median steps, interleaved, and cProfile's per-step
+    cumulative time of dplab.DDP's own functions (profiled separately: cProfile slows Python)."""
+    import cProfile
+    import pstats
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    step_of = {w: _step_of(*_wrap(w, name)) for w in ("dplab", "torch")}
+    times = interleaved(step_of, steps, warmup=5)
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [step_of["dplab"]() for _ in range(steps)])
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    own = {
+        f"{Path(file).name}:{line}({fn})": cum / steps * 1e3
+        for (file, line, fn), (_, _, _, cum, _) in stats.items()
+        if "/dplab/ddp/" in Path(file).as_posix()
+    }
+    return {"times": times, "own": sorted(own.items(), key=lambda kv: -kv[1])[:8]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--only", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--profile", choices=list(SHAPES))
+    p.add_argument("--host-overhead", choices=list(SHAPES))
     args = p.parse_args()
+    if args.host_overhead:
+        out = dplab.launch(host_overhead, 1, args=(args.host_overhead, args.steps))[0]
+        ours, theirs = (statistics.median(out["times"][w]) for w in ("dplab", "torch"))
+        print(f"machine: {machine()}; {args.steps} steps each, 1 rank, 1 thread")
+        print(f"{args.host_overhead}: dplab {ours:.2f} ms, torch {theirs:.2f} ms a step; "
+              f"dplab - torch = {ours - theirs:+.3f} ms ({ours / theirs - 1:+.1%})")  # fmt: skip
+        print("dplab.DDP's own functions, cumulative ms a step under cProfile:")
+        for where, ms in out["own"]:
+            print(f"  {ms:7.3f}  {where}")
+        return
     if args.profile:
         tables = dplab.launch(profile, 2, args=(args.profile, 10), timeout_s=1800)[0]
         for which, table in tables.items():
             print(f"## {which}: {args.profile}\n{table}")
         return
     times = dplab.launch(race, 2, args=(args.only, args.steps), timeout_s=3600)[0]
-    print(f"machine: {machine()}; {args.steps} steps per (shape, DDP), 2 gloo ranks")
-    print("| shape | dplab median | torch median | dplab / torch (95% CI) |")
-    print("|---|---|---|---|")
+    print(f"machine: {machine()}; {args.steps} steps per (shape, DDP) or up to 4x that where a "
+          "step is under 100 ms, 2 gloo ranks")  # fmt: skip
+    print("| shape | steps | dplab median | torch median | dplab / torch (95% CI) |")
+    print("|---|---|---|---|---|")
     ratios = []
     for name in args.only:
         ours, theirs = times[("dplab", name)], times[("torch", name)]
         ratio, lo, hi = median_ratio(ours, theirs)
         ratios.append(ratio)
         print(
-            f"| {name} | {statistics.median(ours):.1f} ms | {statistics.median(theirs):.1f} ms "
-            f"| {ratio:.3f} ({lo:.3f}–{hi:.3f}) |"
+            f"| {name} | {len(ours)} | {statistics.median(ours):.1f} ms | "
+            f"{statistics.median(theirs):.1f} ms | {ratio:.3f} ({lo:.3f}–{hi:.3f}) |"
         )
-    print(f"| median over shapes | | | {statistics.median(ratios):.3f} |")
+    print(f"| median over shapes | | | | {statistics.median(ratios):.3f} |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ its hooks removed) instead of being kept alive by its own parameters.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -85,16 +86,27 @@ def unreachable(roots: list[torch.Tensor], index: dict[int, int]) -> list[int]:
     seen: set[Any] = set()
     reached: set[int] = set()
     stack = [t.grad_fn for t in roots]
+    leaf = _accumulate_grad_type()
     while stack:
         fn = stack.pop()
         if fn in seen:
             continue
         seen.add(fn)
-        variable = getattr(fn, "variable", None)
-        if variable is not None and id(variable) in index:
-            reached.add(index[id(variable)])
-        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+        if type(fn) is leaf:  # a leaf's node: nothing comes after it
+            i = index.get(id(fn.variable))
+            if i is not None:
+                reached.add(i)
+            continue
+        stack.extend([next_fn for next_fn, _ in fn.next_functions if next_fn is not None])
     return [i for i in range(len(index)) if i not in reached]
+
+
+@functools.cache
+def _accumulate_grad_type() -> type:
+    """The class of autograd's leaf nodes (``AccumulateGrad``), whose ``variable`` is the
+    parameter: comparing types is faster than asking every node for an attribute it lacks."""
+    leaf = torch.ones(1, requires_grad=True)
+    return type(leaf.expand(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 
 
 def start_used_counts(
@@ -104,9 +116,10 @@ def start_used_counts(
     did): one small all-reduce, torch's ``local_used_map``, launched without waiting (torch
     launches it as the last bucket's gradients are in, so it travels beside that bucket's
     all-reduce). Returns (its work, the counts it will hold)."""
-    flags = torch.zeros(n, dtype=torch.int32, device=device)
-    if used:
-        flags[sorted(used)] = 1
+    marks = bytearray(n or 1)  # frombuffer refuses an empty buffer
+    for i in used:
+        marks[i] = 1
+    flags = torch.frombuffer(marks, dtype=torch.uint8)[:n].to(device=device, dtype=torch.int32)
     return dist.all_reduce(flags, group=group, async_op=True), flags
 
 

@@ -141,6 +141,17 @@ def hook_result(value: Any, bucket: int) -> torch.Tensor:
     )
 
 
+def wait_bucket(work: Any, buffer: torch.Tensor, b: int, *, hooked: bool) -> None:
+    """Wait for bucket ``b``'s all-reduce, or its comm hook's Future, whose result is copied
+    into ``buffer`` unless the hook reduced in place."""
+    if not hooked:
+        work.wait()
+        return
+    result = hook_result(work.wait(), b)
+    if result is not buffer:
+        buffer.copy_(result if buffer.is_sparse else result.view(-1))
+
+
 # -- the bytes a hook really sends ------------------------------------------------------------
 
 _COUNTED = (

@@ -63,7 +63,7 @@ from dplab.ddp.backward_state import (
     unused_of,
 )
 from dplab.ddp.buffer_sync import BufferSyncMixin
-from dplab.ddp.comm_hooks import GradBucket, hook_result, run_comm_hook
+from dplab.ddp.comm_hooks import GradBucket, run_comm_hook, wait_bucket
 from dplab.ddp.join import JoinMixin
 from dplab.ddp.layout import copy_out, fill, fill_early, large_gradients, lay_out, tensor_bytes
 from dplab.ddp.logging_data import LoggingData, LoggingMixin
@@ -555,27 +555,21 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         for i in missing:
             self._mark_unused_ready(i)
         self._launch_ready_buckets()  # the naive variant launches everything here
+        unused = None if self._searches() else self._static_global_unused
         skipped: set[int] = set()
-        for b, work in enumerate(st.works):
+        for b, work in enumerate(st.works):  # torch's finalize_backward: bucket by bucket
             if work is None:
                 skipped.update(self._bucket_params[b])
                 continue
-            if self._comm_hook is None:
-                work.wait()
-                continue
-            result, buffer = hook_result(work.wait(), b), self.bucket_buffers[b]
-            if result is not buffer:
-                buffer.copy_(result if buffer.is_sparse else result.view(-1))
+            wait_bucket(work, self.bucket_buffers[b], b, hooked=self._comm_hook is not None)
+            if unused is None:  # torch waits for the used counts at its first bucket, too
+                unused = self._wait_used_counts()
+            if self._mixed is None:
+                views = self._grads_as_views
+                copy_out(self._layout, self._params, b, unused, st.no_grad, grads_as_views=views)
         if self._log_times:
             self._logging.record("comm_end")
-        unused: set[int] = self._static_global_unused
-        if self._searches():
-            n, group = len(self._params), self.process_group
-            work, counts = st.used or start_used_counts(
-                self._used_since_sync, n, self._comm_device, group
-            )
-            work.wait()
-            self._used_counts, unused = counts, unused_of(counts)
+        unused = self._wait_used_counts() if unused is None else unused
         self._used_since_sync = set()
         if first_static:
             self._static_counts = st.hits or [0] * len(self._params)
@@ -584,16 +578,23 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         self._unused_this_iteration = list(self._unused_this_backward) + missing
         self._last_ready_order = st.ready_order
         self._buckets_reduced = len(st.works) - st.works.count(None)
-        untouched = unused | skipped if skipped else unused
         if self._mixed is not None:
-            grads = self._mixed.averaged(st.outputs, self._layout, self._params, untouched)
+            grads = self._mixed.averaged(st.outputs, self._layout, self._params, unused | skipped)
             self._mixed.to_full(grads)
-        else:
-            views = self._grads_as_views
-            copy_out(self._layout, self._params, untouched, st.no_grad, grads_as_views=views)
         self._wait_buffer_futures()
         if self._rebuild_pending and not self._order_recorded and self._ready_order:
             self._order_recorded = True
+
+    def _wait_used_counts(self) -> set[int]:
+        """The used-counts all-reduce (launched beside the last bucket, or now), waited for:
+        the parameters no rank used since the last sync."""
+        n, group, st = len(self._params), self.process_group, self._st
+        work, counts = st.used or start_used_counts(
+            self._used_since_sync, n, self._comm_device, group
+        )
+        work.wait()
+        self._used_counts = counts
+        return unused_of(counts)
 
 
 __all__ = ["DDP"]

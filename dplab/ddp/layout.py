@@ -298,32 +298,42 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def copy_out(
-    layout: Layout, params: Named, unused: set[int], no_grad: set[int], *, grads_as_views: bool
+    layout: Layout,
+    params: Named,
+    b: int,
+    unused: set[int],
+    no_grad: set[int],
+    *,
+    grads_as_views: bool,
 ) -> None:
-    """torch's finalize: averages back into ``.grad`` (a copy, or the view itself).
+    """torch's finalize_bucket_dense: bucket ``b``'s averages back into ``.grad`` (a copy, or
+    the view itself). Called as each bucket's all-reduce is waited for, as torch's
+    finalize_backward does, so the first buckets' copies overlap the last one's all-reduce.
 
     A parameter no rank used keeps its ``.grad`` untouched (None stays None, as in torch, so
     optimizers skip it); one only other ranks used gets their average. ``no_grad``: those that
     had no ``.grad`` when their bucket was filled."""
-    if layout.sparse:  # reduced in place: the .grad already holds the average
-        unused = unused | layout.sparse
+    members = layout.members[b]
+    if members[0] in layout.sparse:  # reduced in place: the .grad already holds the average
+        return
     if grads_as_views:
         # Every gradient that came in already is its view (fill made it so); only those that
         # had none need pointing at theirs.
-        for i in no_grad - unused:
-            params[i][1].grad = layout.views[i]
+        for i in members:
+            if i in no_grad and i not in unused:
+                params[i][1].grad = layout.views[i]
         return
     if not unused:
         try:  # the common case, one call: every parameter has a .grad to copy into
-            torch._foreach_copy_([p.grad for _, p in params], layout.views)
+            torch._foreach_copy_([p.grad for p in layout.member_params[b]], layout.member_views[b])
             return
         except TypeError:  # a None .grad: the loop below gives it a tensor of its own
             pass
     dst, src = [], []
-    for i, (_, p) in enumerate(params):
+    for i in members:
         if i in unused:
             continue
-        view = layout.views[i]
+        p, view = params[i][1], layout.views[i]
         if p.grad is None:
             p.grad = torch.empty_like(p).copy_(view)
         else:

@@ -23,7 +23,6 @@ class BackwardState:
     """The hooks' bookkeeping for one backward."""
 
     __slots__ = (
-        "filled",
         "got_grad",
         "hits",
         "next_bucket",
@@ -51,7 +50,6 @@ class BackwardState:
         self.outputs: dict[int, torch.Tensor] = {}  # mixed precision: bucket → what is summed
         self.used: tuple[Any, torch.Tensor] | None = None  # the used-counts all-reduce, launched
         self.works: list[Any] = []  # per bucket in launch order: its future (None: skipped)
-        self.filled: set[int] = set()  # gradients already in their slots (layout.fill_early)
         self.no_grad: set[int] = set()  # parameters with no .grad when their bucket launched
         self.ready_order: list[int] = []  # parameters in the order they became ready
         self.hits: list[int] = []  # static graph: gradients per parameter (made on first use)

@@ -6,18 +6,19 @@ The life of one training step on every rank (torch's reducer, step by step):
    constructor broadcast rank 0's parameters and buffers. Before a forward that follows a
    synchronising one, rank 0's buffers (BatchNorm statistics) are broadcast again.
 2. ``loss.backward()`` produces gradients roughly last layer first. Each parameter has a
-   post-accumulate-grad hook that notes its gradient is in and copies a large one into its slot
-   of the bucket's flat buffer times 1/N. When a bucket's last gradient is in, the small ones
-   follow in one call (torch's default, ``gradient_as_bucket_view=False``: ``.grad`` stays its
-   own tensor), or are divided in place when ``.grad`` already *is* a view of the bucket
+   post-accumulate-grad hook that notes its gradient is in. When a bucket's last gradient is
+   in, the gradients go into their slots of the bucket's flat buffer times 1/N in one or two
+   calls (torch's default, ``gradient_as_bucket_view=False``: ``.grad`` stays its own tensor),
+   or are divided in place when ``.grad`` already *is* a view of the bucket
    (``gradient_as_bucket_view=True``; a sparse gradient is its own bucket, divided in place),
    and its all-reduce is launched asynchronously while autograd goes on with earlier layers.
    That is the overlap.
 3. Buckets are launched strictly in bucket order, so every rank issues the same sequence of
    collectives even if its gradients arrive in a slightly different order.
-4. At the end of backward an autograd-engine callback waits for every bucket and copies the
-   averages back into ``.grad``. When ``loss.backward()`` returns, every ``.grad`` holds the
-   global-batch gradient. No extra call is needed before ``optimizer.step()``.
+4. At the end of backward an autograd-engine callback waits for the buckets in order, copying
+   each one's averages back into ``.grad`` as it completes. When ``loss.backward()`` returns,
+   every ``.grad`` holds the global-batch gradient. No extra call is needed before
+   ``optimizer.step()``.
 
 Buckets are torch's (:mod:`dplab.ddp.buckets`): one bucket per dtype/device in iteration 0, then
 a rebuild, once, in the order rank 0's gradients became ready. The lessons' textbook variant
@@ -65,7 +66,7 @@ from dplab.ddp.backward_state import (
 from dplab.ddp.buffer_sync import BufferSyncMixin
 from dplab.ddp.comm_hooks import GradBucket, run_comm_hook, wait_bucket
 from dplab.ddp.join import JoinMixin
-from dplab.ddp.layout import copy_out, fill, fill_early, large_gradients, lay_out, tensor_bytes
+from dplab.ddp.layout import copy_out, fill, lay_out, tensor_bytes
 from dplab.ddp.logging_data import LoggingData, LoggingMixin
 from dplab.ddp.mixed_precision import MixedPrecision
 from dplab.ddp.plans import PlanMixin
@@ -261,7 +262,6 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
         views, sparse = self._grads_as_views, self._sparse
         layout = lay_out(self._params, plan, grads_as_views=views, sparse=sparse, dtype=dtype)
         self._layout = layout
-        self._early = large_gradients(layout) if self.launch_when_ready and not views else set()
         self._bucket_params = layout.members
         self._bucket_of = layout.bucket_of
         self.bucket_buffers: list[torch.Tensor] = layout.buffers
@@ -434,8 +434,6 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
             )
         st.ready[i] = True
         st.ready_order.append(i)
-        if i in self._early and fill_early(self._layout, self._params, i, self._divide_by()):
-            st.filled.add(i)
         if self._rebuild_pending and not self._order_recorded:
             self._ready_order.append(i)
         b = self._bucket_of[i]
@@ -479,8 +477,8 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
     def _launch(self, b: int) -> None:
         if self._log_times:
             self._logging.record("comm_start", first=True)
-        views, n, done = self._grads_as_views, self._divide_by(), self._st.filled
-        fill(self._layout, self._params, b, grads_as_views=views, world_size=n, done=done)
+        views, n = self._grads_as_views, self._divide_by()
+        fill(self._layout, self._params, b, grads_as_views=views, world_size=n)
         self._observer.allreduce_start(b)
         try:
             work, nbytes = self._start_collective(b)

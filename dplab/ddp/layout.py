@@ -186,9 +186,8 @@ def fill(
     copies (``at::mul_out(slot, grad, 1/N)``: one pass over memory), and a ``.grad`` that
     already is its slot (``gradient_as_bucket_view``) is divided in place; the bits are the same
     either way. Many small gradients are copied with one ``_foreach_copy_`` and the bucket
-    scaled once. With ``grads_as_views``
-    the others become views of their slots from then on. A parameter with no ``.grad`` (unused)
-    contributes zeros."""
+    scaled once. With ``grads_as_views`` the others become views of their slots from then on.
+    A parameter with no ``.grad`` (unused) contributes zeros."""
     if layout.members[b][0] in layout.sparse:
         _fill_sparse(layout, params, b, world_size)
         return

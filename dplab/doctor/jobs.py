@@ -18,31 +18,19 @@ from typing import Any
 WAIT, WARMUP, ACTIVE = 1, 1, 3
 
 
-# The wide job: 8 MiB of gradient from two 1024 x 1024 embedding tables looked up twice a step.
-# An embedding's gradient is a fill and two rows added, so backward stays small next to the
-# all-reduce even with a CPU-bound process beside the 2 ranks. In 40 runs with one, no verdict
-# flipped, and the next largest part of the budget (medians over the steps, as the verdict reads
-# them) was 0.21 of the exposed communication at the median, 0.70 at worst. Two 1024-wide linear
-# layers, the job before, named backward in 1 verdict of 40 (and once in 08f's loaded runs);
-# step by step their backward was 0.42 of the exposed communication at the median, 1.47 at worst.
-ROWS = WIDTH = 1024
-
-
-def wide_model(rows: int = ROWS, width: int = WIDTH) -> Any:
-    """Two ``rows`` x ``width`` embedding tables with dense gradients (8 MiB at 1024 x 1024),
-    looked up for a batch of 2: much gradient for little compute, so the all-reduce outweighs
-    backward (a comms-bound step), and two parameters, so torch's default 1 MiB first bucket
-    makes two buckets."""
+def wide_model(width: int = 1024) -> Any:
+    """Two ``width``-square linear layers: 8 MiB of gradients at 1024 for little compute on a
+    batch of 2, so the all-reduce outweighs backward (a comms-bound step)."""
     import torch
 
     class Wide(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a = torch.nn.Embedding(rows, width)
-            self.b = torch.nn.Embedding(rows, width)
+            self.a = torch.nn.Linear(width, width)
+            self.b = torch.nn.Linear(width, width)
 
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.mse_loss(self.a(x) + self.b(x), y)
+            return torch.nn.functional.mse_loss(self.b(self.a(x)), y)
 
     torch.manual_seed(0)
     return Wide()
@@ -60,8 +48,7 @@ def slow_loader(model: str, batch_size: int, sleep_s: float, seed: int) -> Itera
         time.sleep(sleep_s)
         if model == "wide":
             g = torch.Generator().manual_seed(seed + k)
-            x = torch.randint(0, ROWS, (2,), generator=g)
-            yield x, torch.randn(2, WIDTH, generator=g)
+            yield torch.randn(2, 1024, generator=g), torch.randn(2, 1024, generator=g)
         else:
             yield make_batch(model, batch_size, seed=seed + k)
         k += 1

@@ -42,6 +42,12 @@ def test_a_group_of_one_is_the_ranks_own_gradient(cluster):
     assert cluster.run(P.ddp_in_a_group_of_one) == [{"dplab": 0.0, "torch": 0.0}] * 2
 
 
+def test_core_share_is_a_share_and_refuses_a_bad_duration():
+    assert 0.0 < P.core_share(0.05) <= 1.05  # thread and wall clocks tick apart by a little
+    with pytest.raises(ValueError, match="seconds must be > 0, got 0"):
+        P.core_share(0)
+
+
 def _step() -> StepTrace:
     """Backward 0-100 ms; bucket 0 ready at 10 (all-reduce 10-30), bucket 1 at 20 (95-120)."""
     spans = [

@@ -8,6 +8,7 @@ could not be caught launching late; these watch it instead.
 - :func:`average_by_hand`: the DDP's ``.grad`` against each rank's own gradient averaged by hand.
 - :func:`launch_delays`: how long after its last gradient each bucket's all-reduce was launched.
 - :func:`comms_bound_steps`: traced steps of a model whose gradient is large for its compute.
+- :func:`core_share`: how much of a core a rank gets, to tell whether another process competes.
 - :func:`overlapping_ready`, :func:`backward_slack_ms`, :func:`summed_comm_ms`,
   :func:`buckets_with_room`: readings of a traced ``StepTrace``.
 - :func:`rebuild_on_rank`, :func:`rebuild_two_orders`: the rebuild's order, seen by the ranks.
@@ -125,6 +126,22 @@ def comms_bound_steps(
         opt.step()
         opt.zero_grad(set_to_none=False)
     return list(tracer.steps)
+
+
+def core_share(seconds: float = 0.3) -> float:
+    """Spin this rank's thread for ``seconds``; return the share of that time it held a core
+    (thread CPU time over wall time).
+
+    Lesson 08 measures how gloo's threads slow backward by taking the ranks' cores. That is
+    readable only where the ranks have the cores to themselves (a share near 1 on every rank);
+    another busy process takes its own share and its contention hides gloo's.
+    """
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    start, cpu = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - start < seconds:
+        pass
+    return (time.thread_time() - cpu) / (time.perf_counter() - start)
 
 
 def overlapping_ready(step: StepTrace) -> list[tuple[int, int, float]]:

@@ -73,10 +73,13 @@ def profile_torch_job(
     set_to_none: bool = True,
     bf16_hook: bool = False,
     batch_size: int = 8,
+    active: int = ACTIVE,
 ) -> dict[str, Any]:
     """On every rank: torch's DDP of ``model`` (``"wide"``: :func:`wide_model`; else a
     :func:`dplab.models.make_model` preset), profiled with ``record_shapes=True`` and a
-    schedule, one trace per rank in ``out``. ``bucket_cap_mb=None`` leaves torch's default.
+    schedule, one trace per rank in ``out``. ``bucket_cap_mb=None`` leaves torch's default;
+    ``active`` is the number of profiled steps (more make the doctor's medians harder to move
+    for a step that a busy machine stretched).
 
     Returns torch's ``_get_ddp_logging_data()`` and ``step_ms``: each profiled iteration as the
     job's own clock saw it (``time.perf_counter`` from the top of the loop to ``prof.step()``),
@@ -106,10 +109,10 @@ def profile_torch_job(
     with profile(
         activities=[ProfilerActivity.CPU],
         record_shapes=True,
-        schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE),
+        schedule=schedule(wait=WAIT, warmup=WARMUP, active=active),
         on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
     ) as prof:
-        for k in range(WAIT + WARMUP + ACTIVE):
+        for k in range(WAIT + WARMUP + active):
             start = time.perf_counter()
             x, y = next(batches)
             ddp(x, y).backward()

@@ -299,6 +299,52 @@ def test_find_unused_parameters_handles_it_as_torch_does(cluster2):
         assert r["unused_grad"] is None and r["used_grad"]
 
 
+class _UsedBySome(nn.Module):
+    """``b`` is used by rank 1 only, ``c`` by no rank: three answers to "was it used?"."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        return (self.b(y) if dist.get_rank() == 1 else y).sum()
+
+
+def _used_by_some() -> list[dict]:
+    """Two steps of dplab.DDP and of torch's DDP with ``find_unused_parameters=True``; per
+    step, each parameter's ``.grad`` on this rank (None where it has none)."""
+    torch.manual_seed(0)
+    model = _UsedBySome()
+    both = [dplab.DDP(model, find_unused_parameters=True, bucket_cap_mb=1e-4),
+            nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True,
+                                                bucket_cap_mb=1e-4)]  # fmt: skip
+    out = []
+    for step in range(2):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        row = {}
+        for name, ddp in zip(("dplab", "torch"), both, strict=True):
+            ddp(x).backward()
+            row[name] = {n: None if p.grad is None else p.grad.clone()
+                         for n, p in ddp.module.named_parameters()}  # fmt: skip
+        out.append(row)
+    return out
+
+
+def test_a_parameter_some_ranks_used_is_averaged_and_one_no_rank_used_is_left_as_torch(cluster2):
+    """dplab waits for the used counts only at a parameter this rank left unused (as torch's
+    finalize_bucket_dense): rank 0 must wait for them at ``b`` and still get rank 1's half."""
+    for rank, steps in enumerate(cluster2.run(_used_by_some)):
+        for row in steps:
+            mine, torch_ = row["dplab"], row["torch"]
+            for n in torch_:
+                where = f"rank {rank}, {n}"
+                assert (mine[n] is None) == (torch_[n] is None), f"{where}: .grad None on one side"
+                if mine[n] is not None:
+                    assert torch.equal(mine[n], torch_[n]), f"{where}: .grad differs from torch's"
+            assert mine["c.weight"] is None and mine["b.weight"] is not None
+
+
 class _RegisteredBackwards(nn.Module):
     """Layers registered in the opposite order to their use: the reverse-order guess is wrong."""
 

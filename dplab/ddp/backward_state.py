@@ -121,9 +121,11 @@ def start_used_counts(
     return dist.all_reduce(flags, group=group, async_op=True), flags
 
 
-def used_counts(used: set[int], n: int, device: torch.device, group: Any) -> torch.Tensor:
-    """:func:`start_used_counts`, waited for."""
-    work, flags = start_used_counts(used, n, device, group)
+def used_counts(
+    used: set[int], n: int, device: torch.device, group: Any, started: Any = None
+) -> torch.Tensor:
+    """:func:`start_used_counts` (or its result ``started``, if launched already), waited for."""
+    work, flags = started or start_used_counts(used, n, device, group)
     work.wait()
     return flags
 

@@ -62,6 +62,7 @@ from dplab.ddp.backward_state import (
     start_used_counts,
     unreachable,
     unused_of,
+    used_counts,
 )
 from dplab.ddp.buffer_sync import BufferSyncMixin
 from dplab.ddp.comm_hooks import GradBucket, run_comm_hook, wait_bucket
@@ -560,11 +561,13 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
                 skipped.update(self._bucket_params[b])
                 continue
             wait_bucket(work, self.bucket_buffers[b], b, hooked=self._comm_hook is not None)
-            if unused is None:  # torch waits for the used counts at its first bucket, too
+            if unused is None and not self._used_since_sync.issuperset(self._bucket_params[b]):
+                # torch's finalize_bucket_dense waits for the counts only at a parameter this
+                # rank left unused: one it used is used globally, whatever the counts say.
                 unused = self._wait_used_counts()
             if self._mixed is None:
-                views = self._grads_as_views
-                copy_out(self._layout, self._params, b, unused, st.no_grad, grads_as_views=views)
+                views, gone = self._grads_as_views, set() if unused is None else unused
+                copy_out(self._layout, self._params, b, gone, st.no_grad, grads_as_views=views)
         if self._log_times:
             self._logging.record("comm_end")
         unused = self._wait_used_counts() if unused is None else unused
@@ -586,13 +589,9 @@ class DDP(TorchApiMixin, LoggingMixin, PlanMixin, BufferSyncMixin, JoinMixin, nn
     def _wait_used_counts(self) -> set[int]:
         """The used-counts all-reduce (launched beside the last bucket, or now), waited for:
         the parameters no rank used since the last sync."""
-        n, group, st = len(self._params), self.process_group, self._st
-        work, counts = st.used or start_used_counts(
-            self._used_since_sync, n, self._comm_device, group
-        )
-        work.wait()
-        self._used_counts = counts
-        return unused_of(counts)
+        n, group, used = len(self._params), self.process_group, self._used_since_sync
+        self._used_counts = used_counts(used, n, self._comm_device, group, started=self._st.used)
+        return unused_of(self._used_counts)
 
 
 __all__ = ["DDP"]

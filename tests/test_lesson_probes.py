@@ -48,6 +48,20 @@ def test_core_share_is_a_share_and_refuses_a_bad_duration():
         P.core_share(0)
 
 
+def test_core_share_reads_a_thread_that_held_a_core_half_the_time(monkeypatch):
+    """08 §6 asserts gloo's contention only where every rank's share is high: a share read
+    wrong would skip that assert unseen, so the arithmetic is checked on scripted clocks."""
+    wall = [0.0]
+
+    def perf_counter() -> float:
+        wall[0] += 1e-3
+        return wall[0]
+
+    monkeypatch.setattr(P.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(P.time, "thread_time", lambda: 0.5 * wall[0])
+    assert P.core_share(0.3) == pytest.approx(0.5, abs=0.01)
+
+
 def _step() -> StepTrace:
     """Backward 0-100 ms; bucket 0 ready at 10 (all-reduce 10-30), bucket 1 at 20 (95-120)."""
     spans = [

@@ -26,7 +26,7 @@ WIDE_ROWS = 1
 
 def wide_model(width: int = 1024) -> Any:
     """Two ``width``-square linear layers: 8 MiB of gradients at 1024 for little compute on
-    ``WIDE_ROWS`` sample, so the all-reduce outweighs backward (a comms-bound step)."""
+    one sample per rank (``WIDE_ROWS``), so the all-reduce outweighs backward (comms-bound)."""
     import torch
 
     class Wide(torch.nn.Module):

@@ -18,15 +18,9 @@ from typing import Any
 WAIT, WARMUP, ACTIVE = 1, 1, 3
 
 
-# The wide job's samples per rank and step. At 1 its backward (two outer products and the copy
-# into the bucket) is 0.13 of the exposed all-reduce at the median over 30 runs, at most 0.49; at
-# 2 it was 0.34, at most 0.76, and the verdict named backward once in 14 quiet runs of 08f.
-WIDE_ROWS = 1
-
-
 def wide_model(width: int = 1024) -> Any:
-    """Two ``width``-square linear layers: 8 MiB of gradients at 1024 for little compute on
-    one sample per rank (``WIDE_ROWS``), so the all-reduce outweighs backward (comms-bound)."""
+    """Two ``width``-square linear layers: 8 MiB of gradients at 1024 for little compute on a
+    batch of 2, so the all-reduce outweighs backward (a comms-bound step)."""
     import torch
 
     class Wide(torch.nn.Module):
@@ -54,10 +48,7 @@ def slow_loader(model: str, batch_size: int, sleep_s: float, seed: int) -> Itera
         time.sleep(sleep_s)
         if model == "wide":
             g = torch.Generator().manual_seed(seed + k)
-            yield (
-                torch.randn(WIDE_ROWS, 1024, generator=g),
-                torch.randn(WIDE_ROWS, 1024, generator=g),
-            )
+            yield torch.randn(2, 1024, generator=g), torch.randn(2, 1024, generator=g)
         else:
             yield make_batch(model, batch_size, seed=seed + k)
         k += 1
@@ -82,13 +73,10 @@ def profile_torch_job(
     set_to_none: bool = True,
     bf16_hook: bool = False,
     batch_size: int = 8,
-    active: int = ACTIVE,
 ) -> dict[str, Any]:
     """On every rank: torch's DDP of ``model`` (``"wide"``: :func:`wide_model`; else a
     :func:`dplab.models.make_model` preset), profiled with ``record_shapes=True`` and a
-    schedule, one trace per rank in ``out``. ``bucket_cap_mb=None`` leaves torch's default;
-    ``active`` is the number of profiled steps (more make the doctor's medians harder to move
-    for a step that a busy machine stretched).
+    schedule, one trace per rank in ``out``. ``bucket_cap_mb=None`` leaves torch's default.
 
     Returns torch's ``_get_ddp_logging_data()`` and ``step_ms``: each profiled iteration as the
     job's own clock saw it (``time.perf_counter`` from the top of the loop to ``prof.step()``),
@@ -118,10 +106,10 @@ def profile_torch_job(
     with profile(
         activities=[ProfilerActivity.CPU],
         record_shapes=True,
-        schedule=schedule(wait=WAIT, warmup=WARMUP, active=active),
+        schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE),
         on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
     ) as prof:
-        for k in range(WAIT + WARMUP + active):
+        for k in range(WAIT + WARMUP + ACTIVE):
             start = time.perf_counter()
             x, y = next(batches)
             ddp(x, y).backward()

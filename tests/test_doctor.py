@@ -25,10 +25,12 @@ from pathlib import Path
 import pytest
 
 import dplab
+from dplab.doctor.jobs import ACTIVE as N_ACTIVE
+from dplab.doctor.jobs import WAIT, WARMUP
 from dplab.trace.profiler import from_profiler
 
 CAP = 0.25
-ACTIVE = (2, 3, 4)  # ProfilerStep numbers of schedule(wait=1, warmup=1, active=3)
+ACTIVE = tuple(range(WAIT + WARMUP, WAIT + WARMUP + N_ACTIVE))  # the ProfilerStep numbers
 SLEEP_MS = 40.0  # rank 1's extra backward time in the straggler job
 STRAGGLER_STEPS = 8
 

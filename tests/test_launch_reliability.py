@@ -31,6 +31,7 @@ import dplab
 from tests.conftest import child_pids
 
 launch_mod = importlib.import_module("dplab.launch")  # dplab.launch is also the function
+torchrun = importlib.import_module("dplab.launch.torchrun")
 
 
 SURFACE_S = 30.0  # a fault must surface within this
@@ -450,15 +451,48 @@ def test_a_user_created_nccl_group_still_puts_each_rank_on_its_own_gpu(monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
 
-    def gather(out, obj, group=None):
-        out[:] = [obj] * len(out)
-
-    barriers: list[None] = []
-    monkeypatch.setattr(dist, "all_gather_object", gather)
-    monkeypatch.setattr(dist, "barrier", lambda *a, **k: barriers.append(None))
+    monkeypatch.setattr(torchrun, "gather_results", lambda result, n: [result] * n)
     assert dplab.launch(lambda: str(dplab.device()), 2) == ["cuda:1", "cuda:1"]
     assert chosen == [1]
-    assert len(barriers) == 1  # after the gather: see launch._run_in_place
+
+
+def _gather_a_result_of_this_ranks_size() -> list:
+    rank = dist.get_rank()
+    return torchrun.gather_results({"rank": rank, "pad": "x" * (5000 * rank)}, 2)
+
+
+def test_results_gathered_under_torchrun_come_back_by_rank_whatever_their_sizes(cluster2):
+    expected = [{"rank": 0, "pad": ""}, {"rank": 1, "pad": "x" * 5000}]
+    assert cluster2.run(_gather_a_result_of_this_ranks_size) == [expected, expected]
+
+
+def test_the_gather_waits_until_another_holder_of_its_tensors_lets_go():
+    """As gloo's worker thread holds a collective's tensors a while after wait() has returned."""
+    import torch
+
+    mine = torch.zeros(4)
+    theirs = [mine.view(4)]  # a view holds a reference to its base, as the worker's does
+    let_go = threading.Event()
+
+    def worker():
+        time.sleep(0.2)
+        let_go.set()
+        theirs.clear()
+
+    threading.Thread(target=worker).start()
+    torchrun._wait_until_let_go([mine], timeout_s=SURFACE_S)
+    assert let_go.is_set() and mine._use_count() == 1
+
+
+def test_a_backend_that_never_lets_go_is_waited_for_timeout_s_and_no_longer():
+    import torch
+
+    mine = torch.zeros(4)
+    kept = mine.view(4)
+    start = time.monotonic()
+    torchrun._wait_until_let_go([mine], timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - start < SURFACE_S
+    assert mine._use_count() == 2, kept  # still held: the wait ended on its timeout
 
 
 def _echo_timeout(*, timeout_s):

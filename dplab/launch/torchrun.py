@@ -1,8 +1,8 @@
 """Under torchrun: run ``fn`` in place on this process's rank, and the device of a rank.
 
 Inside torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``LOCAL_RANK``
-set), :func:`dplab.launch` runs ``fn`` here and returns every rank's result (gathered with
-``all_gather_object``), so the same notebook code scales out unchanged. Some of those variables
+set), :func:`dplab.launch` runs ``fn`` here and returns every rank's result (gathered by
+:func:`gather_results`), so the same notebook code scales out unchanged. Some of those variables
 without the others are leftovers of an earlier launcher, and an error: joining a group nobody
 else will join would wait forever.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from dplab.env import gpu_count, resolve_backend
 
 DEFAULT_TIMEOUT_S = 300.0
+LET_GO_TIMEOUT_S = 30.0  # how long a rank waits for the backend to drop the gathered tensors
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
@@ -154,12 +156,49 @@ def run_in_place(
     if dist.get_backend() == "nccl" and gpu_count() > _local_rank():
         # A group the user created first may have left every rank on cuda:0.
         torch.cuda.set_device(_local_rank())
-    result = fn(*args, **kwargs)
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, result)
-    # gloo's worker thread lets go of the gathered tensors only after wait() has returned, and
-    # that needs the GIL; a rank that went straight on to exit could reach the interpreter's
-    # finalization first, and the thread then aborted the process ("terminate called without an
-    # active exception"). Waiting in a barrier hands the GIL over until every rank is here.
-    dist.barrier()
-    return gathered
+    return gather_results(fn(*args, **kwargs), world_size)
+
+
+def gather_results(result: Any, world_size: int) -> list:
+    """Every rank's ``result``, by rank, through tensors held here until the backend lets go.
+
+    ``all_gather_object`` hands its tensors to gloo's worker thread and forgets them. The thread
+    drops its references after ``wait()`` has returned, and dropping the last one frees a Python
+    object, which needs the GIL. A rank that went straight on to exit could reach the
+    interpreter's finalization first, and the thread then aborted the process ("terminate called
+    without an active exception"). Holding the tensors until the thread's references are gone
+    makes its drop a plain decrement, whenever it comes.
+    """
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    here = device()
+    data = torch.frombuffer(bytearray(pickle.dumps(result)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=here)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    longest = max(int(n.item()) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=here)
+    padded[: data.numel()] = data.to(here)
+    received = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(received, padded)
+    _wait_until_let_go([size, *sizes, padded, *received])
+    return [
+        pickle.loads(out[: int(n.item())].cpu().numpy().tobytes())
+        for out, n in zip(received, sizes, strict=True)
+    ]
+
+
+def _wait_until_let_go(tensors: list, timeout_s: float = LET_GO_TIMEOUT_S) -> None:
+    """Sleep (the GIL released) until this process holds the only reference to each tensor.
+
+    A backend that never lets go within ``timeout_s`` is left to it: the results are complete,
+    and waiting longer would turn a rare abort at exit into a hang.
+    """
+    if not hasattr(tensors[0], "_use_count"):  # a torch without it: nothing to wait on
+        return
+    deadline = time.monotonic() + timeout_s
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(0.001)

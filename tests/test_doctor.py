@@ -270,6 +270,30 @@ def _budget_sums_to_the_jobs_own_step(runs, results) -> None:
         assert statistics.median(shares) >= 0.9, (rank[0].rank, shares)
 
 
+def test_each_profiled_step_counts_the_page_faults_of_its_training_thread(jobs):
+    _, results = jobs
+    for rank in results:
+        for job in rank.values():
+            assert set(job["step_faults"]) == set(job["step_ms"])
+            assert all(isinstance(f, int) and f >= 0 for f in job["step_faults"].values())
+
+
+def test_a_threads_first_writes_to_fresh_memory_are_counted_page_by_page():
+    import mmap
+
+    from dplab.doctor.jobs import thread_page_faults
+
+    before = thread_page_faults()
+    if before is None:
+        pytest.skip("this system does not count a thread's page faults (Linux does)")
+    fresh = mmap.mmap(-1, 256 * 4096)
+    for offset in range(0, len(fresh), 4096):
+        fresh[offset] = 1
+    after = thread_page_faults()
+    fresh.close()
+    assert after - before >= 256
+
+
 def test_a_slow_loader_is_named_and_no_cap_is_advised(jobs):
     from dplab.doctor import diagnose
 

@@ -78,11 +78,13 @@ def profile_torch_job(
     :func:`dplab.models.make_model` preset), profiled with ``record_shapes=True`` and a
     schedule, one trace per rank in ``out``. ``bucket_cap_mb=None`` leaves torch's default.
 
-    Returns torch's ``_get_ddp_logging_data()`` and ``step_ms``: each profiled iteration as the
+    Returns torch's ``_get_ddp_logging_data()``, ``step_ms``: each profiled iteration as the
     job's own clock saw it (``time.perf_counter`` from the top of the loop to ``prof.step()``),
-    to check the trace by. ``ProfilerStep#k`` runs from the end of one ``prof.step()`` to the
-    start of the next: the profiler's own work inside the call (starting its trace, at the
-    first active step: milliseconds) is in no step, and is left out here too.
+    to check the trace by, and ``step_faults``: the page faults the training thread took in
+    it (:func:`thread_page_faults`; ``None`` where the system does not count them).
+    ``ProfilerStep#k`` runs from the end of one ``prof.step()`` to the start of the next: the
+    profiler's own work inside the call (starting its trace, at the first active step:
+    milliseconds) is in no step, and is left out here too.
     """
     import torch
     import torch.distributed as dist
@@ -102,7 +104,7 @@ def profile_torch_job(
     Path(out).mkdir(parents=True, exist_ok=True)
     path = Path(out) / f"rank{rank}.pt.trace.json"
     batches = slow_loader(model, batch_size, loader_sleep_s, seed=100 * rank)
-    steps = {}
+    steps, faults = {}, {}
     with profile(
         activities=[ProfilerActivity.CPU],
         record_shapes=True,
@@ -110,12 +112,27 @@ def profile_torch_job(
         on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
     ) as prof:
         for k in range(WAIT + WARMUP + ACTIVE):
-            start = time.perf_counter()
+            start, start_faults = time.perf_counter(), thread_page_faults()
             x, y = next(batches)
             ddp(x, y).backward()
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
             if k >= WAIT + WARMUP:  # ProfilerStep#k is iteration k
                 steps[k] = (time.perf_counter() - start) * 1e3
+                end_faults = thread_page_faults()
+                faults[k] = None if start_faults is None else end_faults - start_faults
             prof.step()
-    return {"logging": ddp._get_ddp_logging_data(), "step_ms": steps}
+    return {"logging": ddp._get_ddp_logging_data(), "step_ms": steps, "step_faults": faults}
+
+
+def thread_page_faults() -> int | None:
+    """Page faults this thread has taken: first writes to memory the process had not used.
+
+    A step that writes its gradients to fresh pages pays for each (microseconds on a virtual
+    machine, more where the host has taken the page back), and that time lands in backward,
+    where no bucket cap moves it. ``None`` where the system does not count a thread's faults.
+    """
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
+    return None if who is None else resource.getrusage(who).ru_minflt

@@ -31,12 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import machine
 
 import dplab
-from dplab.doctor import diagnose, profile_torch_job
+from dplab.doctor import FRESH_PAGES, diagnose, median_step_faults, profile_torch_job
 from dplab.sim import measure_link
 from dplab.trace import from_profiler
 
 PAGE = 4096
-FRESH_PAGES = 256  # 08f §3's threshold: 1 MiB of fresh pages in the median step
 
 
 def fresh_page_us(nbytes: int = 8 << 20, repeats: int = 12) -> list[float]:
@@ -61,9 +60,7 @@ def one_run() -> tuple[float, float, str]:
         wide = cluster.run(profile_torch_job, folder, "wide", bucket_cap_mb=25)
     doctor = diagnose(from_profiler(folder), ddp_logging_data=wide[0]["logging"], reference=link)
     last = doctor.budget.last
-    faults = statistics.median(
-        max(r["step_faults"][k] or 0 for r in wide) for k in wide[0]["step_ms"]
-    )
+    faults = median_step_faults(wide)
     exposed = last["exposed communication"]
     others = max(v for term, v in last.items() if term not in ("step", "exposed communication"))
     return faults, others / exposed, doctor.budget.largest

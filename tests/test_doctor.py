@@ -294,6 +294,17 @@ def test_a_threads_first_writes_to_fresh_memory_are_counted_page_by_page():
     assert after - before >= 256
 
 
+def test_the_median_steps_faults_are_read_on_the_rank_that_took_the_most():
+    from dplab.doctor.jobs import median_step_faults
+
+    steps = {2: 9.0, 3: 9.0, 4: 9.0}
+    ranks = [
+        {"step_ms": steps, "step_faults": {2: 0, 3: 2048, 4: None}},
+        {"step_ms": steps, "step_faults": {2: 1024, 3: 0, 4: 0}},
+    ]
+    assert median_step_faults(ranks) == 1024  # steps' maxima 1024, 2048, 0 (None reads 0)
+
+
 def test_a_slow_loader_is_named_and_no_cap_is_advised(jobs):
     from dplab.doctor import diagnose
 

@@ -55,7 +55,12 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "service_times",
             "simulate_lanes",
         ],
-        "dplab.doctor.jobs": ["profile_torch_job", "wide_model"],
+        "dplab.doctor.jobs": [
+            "FRESH_PAGES",
+            "median_step_faults",
+            "profile_torch_job",
+            "wide_model",
+        ],
         "dplab.doctor.straggler": ["Straggler", "find_straggler"],
         "dplab.doctor.flight_recorder": ["HangReport", "analyze", "read_flight_recorder"],
         "dplab.doctor.frtrace": ["fixed_up_copy", "torchfrtrace_verdicts"],

@@ -9,6 +9,7 @@ one on every rank and writes one trace per rank, as a user's script would.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,9 @@ from typing import Any
 
 # ProfilerStep numbers of schedule(wait=1, warmup=1, active=3): the steps a trace holds
 WAIT, WARMUP, ACTIVE = 1, 1, 3
+# A step that took this many page faults (1 MiB of 4 KiB pages) wrote to fresh memory: on a
+# virtual machine that can cost the wide job's backward more than its all-reduce.
+FRESH_PAGES = 256
 
 
 def wide_model(width: int = 1024) -> Any:
@@ -136,3 +140,10 @@ def thread_page_faults() -> int | None:
 
     who = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
     return None if who is None else resource.getrusage(who).ru_minflt
+
+
+def median_step_faults(results: list[dict[str, Any]]) -> float:
+    """The page faults of the median profiled step, each step read on the rank that took the
+    most, from every rank's :func:`profile_torch_job` result (an uncounted step reads 0)."""
+    steps = results[0]["step_ms"]
+    return statistics.median(max(r["step_faults"][k] or 0 for r in results) for k in steps)

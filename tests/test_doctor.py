@@ -321,16 +321,23 @@ def test_a_slow_loader_is_named_and_no_cap_is_advised(jobs):
 
 
 def test_a_comms_bound_job_is_named(jobs):
-    from dplab.doctor import diagnose
+    from dplab.doctor import FRESH_PAGES, diagnose, median_step_faults
 
     out, results = jobs
     runs = _parsed(out / "wide-explicit")
     _budget_sums_to_the_jobs_own_step(runs, [r["wide-explicit"] for r in results])
     d = diagnose(runs)
-    assert d.budget.largest == "exposed communication", d.budget.last
+    # As 08f §3: backward outlasts the all-reduce only where it wrote to fresh pages (CI at
+    # e926a38: backward 5.5 ms, exposed 4.4 ms), and then the verdict rightly names it.
+    faults = median_step_faults([r["wide-explicit"] for r in results])
+    verdict = d.budget.largest
+    assert verdict == "exposed communication" or (
+        verdict == "backward" and faults >= FRESH_PAGES
+    ), (d.budget.last, faults)
     text = d.summary()
-    assert "\nverdict: exposed communication is the largest part of the step" in text
-    assert "no cap advised" not in text and "\nrecommendation: " in text
+    assert f"\nverdict: {verdict} is the largest part of the step" in text
+    if verdict == "exposed communication":
+        assert "no cap advised" not in text and "\nrecommendation: " in text
     # each size's all-reduces, in nccl-tests' terms, against the link the doctor names
     (row,) = d.budget.bandwidth
     assert row.nbytes == sum(_torch_sizes(results[0]["wide-explicit"]["logging"]))

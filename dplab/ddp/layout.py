@@ -184,10 +184,11 @@ def fill(
     and copies them all in one or two calls, because a Python call per gradient costs more than
     copying early saves (on tiny-gpt at 2 ranks, 0.2-0.8 ms a step of 50). torch scales while it
     copies (``at::mul_out(slot, grad, 1/N)``: one pass over memory), and a ``.grad`` that
-    already is its slot (``gradient_as_bucket_view``) is divided in place; the bits are the same
-    either way. Many small gradients are copied with one ``_foreach_copy_`` and the bucket
-    scaled once. With ``grads_as_views`` the others become views of their slots from then on.
-    A parameter with no ``.grad`` (unused) contributes zeros."""
+    already is its slot (``gradient_as_bucket_view``) is divided in place, the whole bucket in
+    one call when every one is; the bits are the same either way. Many small gradients are
+    copied with one ``_foreach_copy_`` and the bucket scaled once (:func:`per_gradient`). With
+    ``grads_as_views`` the others become views of their slots from then on. A parameter with no
+    ``.grad`` (unused) contributes zeros."""
     if layout.members[b][0] in layout.sparse:
         _fill_sparse(layout, params, b, world_size)
         return
@@ -200,14 +201,13 @@ def fill(
         if same_dtype:
             _copy_scaled(layout.member_views[b], grads, layout.buffers[b], world_size)
             return
-    dst, src = [], []
+    dst, src, in_place = [], [], []
     for i in layout.members[b]:
         grad, view = params[i][1].grad, layout.views[i]
         if grad is None:
             view.zero_()
         elif grad.data_ptr() == layout.view_ptrs[i]:
-            if world_size != 1:
-                view.div_(world_size)
+            in_place.append(view)
         elif grad.dtype != view.dtype or grad.device != view.device:
             raise RuntimeError(
                 f"parameter {params[i][0]!r} has a {grad.dtype} gradient on {grad.device} but "
@@ -218,6 +218,12 @@ def fill(
         else:
             dst.append(view)
             src.append(grad)
+    if in_place and world_size != 1:  # torch's bucket_view.div_(N), for each such slot
+        if len(in_place) == len(layout.members[b]):
+            layout.buffers[b].div_(world_size)  # every slot: the whole bucket in one call
+        else:
+            for view in in_place:
+                view.div_(world_size)
     if dst:
         _copy_scaled(dst, src, None, world_size)
         if grads_as_views:
@@ -226,7 +232,15 @@ def fill(
                     params[i][1].grad = layout.views[i]
 
 
-SMALL_GRADIENT = 16384  # elements: below this on average, one _foreach_copy_ and one mul_
+SMALL_GRADIENT = 32768  # elements (128 KiB of float32): the crossover measured below
+
+
+def per_gradient(dst: list[torch.Tensor]) -> bool:
+    """Fill these slots with one ``mul`` per gradient (one pass over memory, a call each), or
+    with one ``_foreach_copy_`` and one multiply (two passes, two calls)? A call costs about
+    2.5 µs here and a second pass 12-28 µs a MiB, so one call per gradient pays from about
+    32,768 elements a gradient on average (``benchmarks/fill_paths.py``, docs/benchmarks.md)."""
+    return sum(t.numel() for t in dst) >= SMALL_GRADIENT * len(dst)
 
 
 def _copy_scaled(
@@ -239,7 +253,7 @@ def _copy_scaled(
         torch._foreach_copy_(dst, src)
         return
     factor = 1.0 / n
-    if sum(t.numel() for t in dst) >= SMALL_GRADIENT * len(dst):
+    if per_gradient(dst):
         for view, grad in zip(dst, src, strict=True):
             torch.mul(grad, factor, out=view)
         return

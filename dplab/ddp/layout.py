@@ -232,14 +232,15 @@ def fill(
                     params[i][1].grad = layout.views[i]
 
 
-SMALL_GRADIENT = 32768  # elements (128 KiB of float32): the crossover measured below
+SMALL_GRADIENT = 32768  # elements a gradient, on average: see per_gradient
 
 
 def per_gradient(dst: list[torch.Tensor]) -> bool:
     """Fill these slots with one ``mul`` per gradient (one pass over memory, a call each), or
     with one ``_foreach_copy_`` and one multiply (two passes, two calls)? A call costs about
-    2.5 µs here and a second pass 12-28 µs a MiB, so one call per gradient pays from about
-    32,768 elements a gradient on average (``benchmarks/fill_paths.py``, docs/benchmarks.md)."""
+    2 µs here and a second pass 8-36 µs a MiB (more when the bucket is too large to stay in
+    cache), so a call per gradient pays from 16,384-49,152 elements a gradient on average; the
+    rule is the middle of that (``benchmarks/fill_paths.py``, docs/benchmarks.md)."""
     return sum(t.numel() for t in dst) >= SMALL_GRADIENT * len(dst)
 
 

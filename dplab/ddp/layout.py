@@ -181,12 +181,11 @@ def fill(
     the reduction).
 
     torch copies each gradient as its hook runs, in C++; dplab waits for the bucket's last one
-    and copies them all in one or two calls, because a Python call per gradient costs more than
-    copying early saves (on tiny-gpt at 2 ranks, 0.2-0.8 ms a step of 50). torch scales while it
-    copies (``at::mul_out(slot, grad, 1/N)``: one pass over memory), and a ``.grad`` that
-    already is its slot (``gradient_as_bucket_view``) is divided in place, the whole bucket in
-    one call when every one is; the bits are the same either way. Many small gradients are
-    copied with one ``_foreach_copy_`` and the bucket scaled once (:func:`per_gradient`). With
+    and copies them all at once, so that many small gradients take one ``_foreach_copy_`` and
+    one multiply of the bucket instead of a call each (:func:`per_gradient` decides). torch
+    scales while it copies (``at::mul_out(slot, grad, 1/N)``: one pass over memory), and a
+    ``.grad`` that already is its slot (``gradient_as_bucket_view``) is divided in place, the
+    whole bucket in one call when every one is; the bits are the same either way. With
     ``grads_as_views`` the others become views of their slots from then on. A parameter with no
     ``.grad`` (unused) contributes zeros."""
     if layout.members[b][0] in layout.sparse:

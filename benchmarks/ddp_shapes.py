@@ -198,8 +198,8 @@ def _clocked(model_class: type) -> Iterator[dict[str, float]]:
     """Wrap each of :data:`CLOCKED` (``None``: the model's class) with a wall clock that adds
     to the yielded totals, in seconds; the originals are put back on exit."""
     spent = dict.fromkeys(CLOCKED, 0.0)
-    originals = {key: (owner or model_class, name) for key, (owner, name) in CLOCKED.items()}
-    saved = {key: getattr(owner, name) for key, (owner, name) in originals.items()}
+    targets = {key: (owner or model_class, name) for key, (owner, name) in CLOCKED.items()}
+    saved = {key: getattr(owner, name) for key, (owner, name) in targets.items()}
 
     def clock(key: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -212,12 +212,12 @@ def _clocked(model_class: type) -> Iterator[dict[str, float]]:
 
         return timed
 
-    for key, (owner, name) in originals.items():
+    for key, (owner, name) in targets.items():
         setattr(owner, name, clock(key, saved[key]))
     try:
         yield spent
     finally:
-        for key, (owner, name) in originals.items():
+        for key, (owner, name) in targets.items():
             setattr(owner, name, saved[key])
 
 

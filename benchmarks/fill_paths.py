@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from _stats import machine
 
-from dplab.ddp.layout import per_gradient
+from dplab.ddp.layout import per_gradient, static_plan
 from dplab.models import make_model
 
 GRID = [  # (elements per gradient, gradients): 1 to 32 MiB, 1,024 to 1M elements each
@@ -42,13 +42,11 @@ GRID = [  # (elements per gradient, gradients): 1 to 32 MiB, 1,024 to 1M element
 
 
 def tiny_gpt_buckets() -> list[list[int]]:
-    """tiny-gpt's gradient sizes in its two buckets (1 MiB first, the rest), backward order."""
-    sizes = [p.numel() for p in make_model("tiny-gpt").parameters()][::-1]
-    first, total = [], 0
-    while total < 1 << 20:
-        first.append(sizes[len(first)])
-        total += first[-1] * 4
-    return [first, sizes[len(first) :]]
+    """tiny-gpt's gradient sizes in its buckets (1 MiB first, then 25 MiB), backward order."""
+    params = list(make_model("tiny-gpt").named_parameters())
+    order = list(range(len(params)))[::-1]
+    plan = static_plan(params, order, bucket_cap_mb=25, first_bucket_cap_mb=1)
+    return [[params[i][1].numel() for i in bucket] for bucket in plan]
 
 
 def race(numels: list[int], repeats: int) -> tuple[dict[str, float], str]:

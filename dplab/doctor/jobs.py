@@ -136,8 +136,10 @@ def thread_page_faults() -> int | None:
     machine, more where the host has taken the page back), and that time lands in backward,
     where no bucket cap moves it. ``None`` where the system does not count a thread's faults.
     """
-    import resource
-
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
     who = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
     return None if who is None else resource.getrusage(who).ru_minflt
 
